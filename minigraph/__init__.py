@@ -1,0 +1,19 @@
+"""minigraph: a lazy tensor-graph builder with ggml's semantics (ne/nb, views, op rules)."""
+from .errors import OpError
+from .types import DType, f16, f32, i32, i64
+from .tensor import Context, Tensor
+from .registry import OPS
+from . import ops as _ops  # noqa: F401  (fills the registry)
+from .ops.views import (view_1d, view_2d, view_3d, view_4d, view_tensor, reshape, reshape_1d,
+                        reshape_2d, reshape_3d, reshape_4d, permute, transpose)
+from .ops.copy import cpy, cast, cont, cont_2d, cont_3d, cont_4d, concat, repeat, repeat_4d
+from .ops.index import get_rows, set_rows, arange
+from .ops.elementwise import (silu, sigmoid, softplus, exp, neg, sqrt, add, sub, mul, div, scale,
+                              scale_inplace, scale_bias)
+from .ops.reduce import rms_norm, l2_norm, sum_rows
+from .ops.matmul import mul_mat
+from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
+from .graph import Graph
+from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
+
+__version__ = "0.1.0"

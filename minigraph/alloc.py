@@ -1,0 +1,108 @@
+"""Memory planning for a graph's intermediates on one device.
+
+Each non-view intermediate gets an offset in one compute buffer; a tensor's memory is reused
+once its last consumer (directly or through a view) has run. Views and write-through results
+(cpy, set_rows, in-place ops) alias memory they do not own and get none. Tensors flagged output,
+and nodes no other node consumes, are never overwritten."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .registry import OPS, writes_through
+from .tensor import Tensor
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def needs_memory(node: Tensor) -> bool:
+    if node.op == "NONE" or node.view_src is not None:
+        return False
+    buf = node.buffer
+    return buf is None or buf.usage == "compute"
+
+
+@dataclass
+class Plan:
+    offsets: dict = field(default_factory=dict)   # tensor id -> byte offset
+    tensors: list = field(default_factory=list)   # tensors placed, in node order
+    size: int = 0                                  # peak bytes (the compute buffer's size)
+    naive_size: int = 0                            # sum of every intermediate's size
+
+    def __repr__(self):
+        return f"Plan({len(self.tensors)} tensors, {self.size} bytes, naive {self.naive_size})"
+
+
+class _FreeList:
+    """Best-fit free blocks over a growing arena; adjacent blocks merge."""
+
+    def __init__(self, guard: int):
+        self.blocks: list[list[int]] = []   # [offset, size], sorted by offset
+        self.top = 0
+        self.guard = guard
+
+    def alloc(self, size: int) -> int:
+        size = _align(size + self.guard)
+        best = None
+        for b in self.blocks:
+            if b[1] >= size and (best is None or b[1] < best[1]):
+                best = b
+        if best is not None:
+            off = best[0]
+            best[0] += size
+            best[1] -= size
+            if best[1] == 0:
+                self.blocks.remove(best)
+            return off
+        off = self.top
+        self.top += size
+        return off
+
+    def free(self, off: int, size: int):
+        size = _align(size + self.guard)
+        self.blocks.append([off, size])
+        self.blocks.sort()
+        merged = []
+        for b in self.blocks:
+            if merged and merged[-1][0] + merged[-1][1] == b[0]:
+                merged[-1][1] += b[1]
+            else:
+                merged.append(b)
+        if merged and merged[-1][0] + merged[-1][1] == self.top:   # give the tail back
+            self.top = merged[-1][0]
+            merged.pop()
+        self.blocks = merged
+
+
+def plan_graph(nodes: list[Tensor], guard: int = 0) -> Plan:
+    """Assign offsets to every node that needs memory. ``guard`` bytes follow each tensor
+    (tests fill them with a pattern to catch out-of-bounds writes)."""
+    last_use: dict[int, int] = {}
+    consumed: set[int] = set()
+    for i, n in enumerate(nodes):
+        for s in list(n.srcs.values()) + ([n.view_src] if n.view_src is not None else []):
+            r = s.root()
+            last_use[r.id] = i
+            consumed.add(s.id)
+    keep = {n.id for n in nodes if n.is_output or n.id not in consumed}
+    # a view or write-through result that must stay readable keeps its root alive
+    keep |= {n.root().id for n in nodes if n.id in keep}
+
+    plan = Plan()
+    free = _FreeList(guard)
+    frees_at: dict[int, list[Tensor]] = {}
+    for i, n in enumerate(nodes):
+        if needs_memory(n):
+            size = n.nbytes()
+            plan.naive_size += _align(size + guard)
+            plan.offsets[n.id] = free.alloc(size)
+            plan.tensors.append(n)
+            if n.id not in keep:
+                frees_at.setdefault(last_use.get(n.id, i), []).append(n)
+        for t in frees_at.pop(i, []):
+            free.free(plan.offsets[t.id], t.nbytes())
+        plan.size = max(plan.size, free.top)
+    return plan
