@@ -15,5 +15,8 @@ from .ops.matmul import mul_mat
 from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
 from .graph import Graph
 from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
+from .sched import Scheduler
+from .report import PlacementReport
+from .draw import draw
 
 __version__ = "0.1.0"

@@ -77,7 +77,7 @@ class _FreeList:
         self.blocks = merged
 
 
-def plan_graph(nodes: list[Tensor], guard: int = 0) -> Plan:
+def plan_graph(nodes: list[Tensor], guard: int = 0, keep=()) -> Plan:
     """Assign offsets to every node that needs memory. ``guard`` bytes follow each tensor
     (tests fill them with a pattern to catch out-of-bounds writes)."""
     last_use: dict[int, int] = {}
@@ -87,7 +87,7 @@ def plan_graph(nodes: list[Tensor], guard: int = 0) -> Plan:
             r = s.root()
             last_use[r.id] = i
             consumed.add(s.id)
-    keep = {n.id for n in nodes if n.is_output or n.id not in consumed}
+    keep = {n.id for n in nodes if n.is_output or n.id not in consumed} | {t.id for t in keep}
     # a view or write-through result that must stay readable keeps its root alive
     keep |= {n.root().id for n in nodes if n.id in keep}
 

@@ -16,8 +16,8 @@ _buffer_ids = itertools.count()
 
 
 class Buffer:
-    """A span of one device's memory. ``usage`` is 'weights' (leaves, state: kept across
-    computes) or 'compute' (intermediates, owned by a graph's plan)."""
+    """A span of one device's memory. ``usage`` is 'weights' or 'any' (leaves: weights, state,
+    inputs; kept across computes) or 'compute' (intermediates, owned by a graph's plan)."""
 
     def __init__(self, backend: "Backend", nbytes: int, usage: str, mem):
         self.id = next(_buffer_ids)
@@ -55,6 +55,13 @@ class Backend:
     def read_tensor(self, t: Tensor) -> np.ndarray:
         raise NotImplementedError
 
+    def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
+        """n raw bytes of buf from offs, as a host uint8 array."""
+        raise NotImplementedError
+
+    def set_bytes(self, buf: Buffer, offs: int, data: np.ndarray):
+        raise NotImplementedError
+
     # -- compute --------------------------------------------------------------------------
     def supports_op(self, node: Tensor) -> bool:
         raise NotImplementedError
@@ -62,12 +69,13 @@ class Backend:
     def compute_nodes(self, nodes: list[Tensor]):
         raise NotImplementedError
 
-    def prepare(self, gf, nodes: list[Tensor]):
-        """Plan and bind memory for the intermediates of ``nodes`` (once per graph)."""
+    def prepare(self, gf, nodes: list[Tensor], keep=()):
+        """Plan and bind memory for the intermediates of ``nodes`` (once per graph); tensors in
+        ``keep`` (read later by another device) are never reused."""
         key = ("alloc", self.name)
         entry = gf.cache.get(key)
         if entry is None:
-            plan = plan_graph(nodes, guard=self.guard)
+            plan = plan_graph(nodes, guard=self.guard, keep=keep)
             buf = self.alloc_buffer(plan.size, "compute")
             if self.guard:
                 self.fill_guards(buf, plan)
@@ -115,6 +123,12 @@ class HostBackend(Backend):
 
     def read_tensor(self, t: Tensor) -> np.ndarray:
         return self.view(t).copy()
+
+    def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
+        return buf.mem[offs:offs + n].copy()
+
+    def set_bytes(self, buf: Buffer, offs: int, data: np.ndarray):
+        buf.mem[offs:offs + data.size] = data
 
     def fill_guards(self, buf: Buffer, plan):
         buf.mem[:] = GUARD_BYTE
@@ -166,8 +180,13 @@ def _load_backend_module(kind: str):
             raise
 
 
-def alloc_ctx_tensors(ctx: Context, be: Backend) -> Buffer | None:
-    """Give every leaf of ctx that has no memory yet a place in one new buffer on ``be``."""
+def alloc_ctx_tensors(ctx: Context, be: Backend, usage: str = "weights") -> Buffer | None:
+    """Give every leaf of ctx that has no memory yet a place in one new buffer on ``be``.
+
+    ``usage`` is ggml's buffer usage: 'weights' (the default: model weights; an op that reads one
+    is placed on its device by the scheduler) or 'any' (state, caches, inputs)."""
+    if usage not in ("weights", "any"):
+        raise ValueError(f"usage must be 'weights' or 'any', got {usage!r}")
     leaves = [t for t in ctx.leaves() if t.buffer is None]
     if not leaves:
         return None
@@ -175,7 +194,7 @@ def alloc_ctx_tensors(ctx: Context, be: Backend) -> Buffer | None:
     for t in leaves:
         offs.append(total)
         total += (t.nbytes() + 63) // 64 * 64
-    buf = be.alloc_buffer(total, "weights")
+    buf = be.alloc_buffer(total, usage)
     for t, o in zip(leaves, offs):
         t.buffer, t.offs = buf, o
     return buf

@@ -56,11 +56,24 @@ class Graph:
         """A DiGraph with one vertex per tensor (keyed by tensor id) and edges source -> node."""
         import networkx as nx
         g = nx.DiGraph()
+        sched = getattr(self, "sched", None)
+        original = {id(c): s for s, c in ((sched.copy_src[c.id], c) for c in sched.copies.values())} if sched else {}
         for t in self.leafs + self.nodes:
-            g.add_node(t.id, **node_attrs(t))
+            attrs = node_attrs(t)
+            if sched is not None:
+                b = sched.assign.get(t.id, -1)
+                attrs["device"] = sched.backends[b].name if b >= 0 else None
+                attrs["cause"] = sched.cause.get(t.id, "")
+            g.add_node(t.id, **attrs)
         for n in self.nodes:
             for role, s in n.srcs.items():
-                g.add_edge(s.id, n.id, role=role)
+                src = original.get(id(s))
+                if src is None:
+                    g.add_edge(s.id, n.id, role=role)
+                else:   # a cross-device copy: drawn as its own edge kind
+                    g.add_edge(src.id, n.id, role=role, copy=s.name,
+                               src_device=sched.backend_of(src).name, dst_device=sched.backend_of(n).name,
+                               nbytes=src.nbytes())
             if n.view_src is not None and not g.has_edge(n.view_src.id, n.id):
                 g.add_edge(n.view_src.id, n.id, role="view_src")
         return g

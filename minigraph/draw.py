@@ -1,0 +1,88 @@
+"""Draw a graph as DOT (always) and PNG (with Graphviz's dot, else matplotlib), nodes coloured
+by device after scheduling, cross-device copies as dashed red edges."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+PALETTE = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f4a261", "#adb5bd"]
+
+
+def _colour(device, devices):
+    if device is None:
+        return "#ffffff"
+    return PALETTE[devices.index(device) % len(PALETTE)]
+
+
+def to_dot(gf) -> str:
+    g = gf.to_networkx()
+    devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
+    lines = ["digraph minigraph {", "  rankdir=TB; node [shape=box, style=filled, fontname=monospace];"]
+    for nid, d in g.nodes(data=True):
+        label = f"{d['name'] or d['op'].lower()}\\n{d['op']} {d['type']} {d['ne']}"
+        if d.get("device"):
+            label += f"\\n{d['device']} ({d['cause']})"
+        shape = "ellipse" if d["op"] == "NONE" else ("note" if d["is_view"] else "box")
+        lines.append(f'  n{nid} [label="{label}", shape={shape}, fillcolor="{_colour(d.get("device"), devices)}"];')
+    for u, v, d in g.edges(data=True):
+        if d.get("copy"):
+            lines.append(f'  n{u} -> n{v} [color=red, style=dashed, label="copy {d["src_device"]}->{d["dst_device"]} {d["nbytes"]}B"];')
+        else:
+            lines.append(f'  n{u} -> n{v} [label="{d.get("role", "")}"];')
+    if devices:
+        lines.append('  subgraph cluster_legend { label="devices"; ' + " ".join(
+            f'"{dv}" [fillcolor="{_colour(dv, devices)}"];' for dv in devices) + " }")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def draw(gf, path: str) -> list[str]:
+    """Write ``path`` as DOT (``.dot``) or PNG (``.png``; the DOT is written beside it).
+    Returns the files written."""
+    dot = to_dot(gf)
+    if not path.endswith(".png"):
+        with open(path, "w") as f:
+            f.write(dot)
+        return [path]
+    dot_path = path[:-4] + ".dot"
+    with open(dot_path, "w") as f:
+        f.write(dot)
+    if shutil.which("dot"):
+        subprocess.run(["dot", "-Tpng", dot_path, "-o", path], check=True)
+        return [dot_path, path]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import networkx as nx
+    except ImportError:
+        raise RuntimeError("PNG needs Graphviz's dot or matplotlib (pip install 'minigraph[viz]'); "
+                           f"the DOT file was written to {dot_path}") from None
+    g = gf.to_networkx()
+    devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
+    try:
+        pos = nx.multipartite_layout(g, subset_key={i: [n for n, l in _layers(g).items() if l == i] for i in set(_layers(g).values())})
+    except Exception:
+        pos = nx.spring_layout(g, seed=0)
+    fig, ax = plt.subplots(figsize=(max(6, len(g) * 0.5), 8))
+    nx.draw_networkx_nodes(g, pos, ax=ax, node_color=[_colour(d.get("device"), devices) for _, d in g.nodes(data=True)])
+    nx.draw_networkx_labels(g, pos, ax=ax, font_size=6,
+                            labels={n: (d["name"] or d["op"].lower()) for n, d in g.nodes(data=True)})
+    normal = [(u, v) for u, v, d in g.edges(data=True) if not d.get("copy")]
+    copies = [(u, v) for u, v, d in g.edges(data=True) if d.get("copy")]
+    nx.draw_networkx_edges(g, pos, edgelist=normal, ax=ax, arrows=True)
+    nx.draw_networkx_edges(g, pos, edgelist=copies, ax=ax, arrows=True, edge_color="red", style="dashed")
+    ax.set_title("devices: " + ", ".join(devices) if devices else "unscheduled")
+    ax.axis("off")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return [dot_path, path]
+
+
+def _layers(g):
+    import networkx as nx
+    layer = {}
+    for n in nx.topological_sort(g):
+        preds = list(g.predecessors(n))
+        layer[n] = 1 + max((layer[p] for p in preds), default=-1)
+    return layer

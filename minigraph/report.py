@@ -1,0 +1,108 @@
+"""Placement reports: who ran where and why, the splits, and every cross-device copy."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    op: str
+    device: str
+    cause: str
+    is_view: bool
+
+
+@dataclass
+class SplitInfo:
+    index: int
+    device: str
+    nodes: list
+    inputs: list
+
+
+@dataclass
+class CopyInfo:
+    tensor: str
+    copy: str
+    src_device: str
+    dst_device: str
+    nbytes: int
+    first_split: int
+    used_by_splits: list      # a copy is made once per graph and device, then reused
+
+    @property
+    def reused(self) -> bool:
+        return len(self.used_by_splits) > 1
+
+
+@dataclass
+class PlacementReport:
+    devices: list
+    nodes: list = field(default_factory=list)
+    leafs: list = field(default_factory=list)
+    splits: list = field(default_factory=list)
+    copies: list = field(default_factory=list)
+
+    @property
+    def n_copies(self) -> int:
+        return len(self.copies)
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+    def device_of(self, name: str) -> str:
+        for n in self.nodes + self.leafs:
+            if n.name == name:
+                return n.device
+        raise KeyError(name)
+
+    @classmethod
+    def from_scheduler(cls, sched) -> "PlacementReport":
+        from .sched import is_view_op
+        gf = sched.gf
+        dev = lambda t: sched.backends[sched.assign[t.id]].name if sched.assign.get(t.id, -1) >= 0 else "-"
+        label = lambda t: t.name or t.label
+        r = cls(devices=[b.name for b in sched.backends])
+        r.nodes = [NodeInfo(label(n), n.op, dev(n), sched.cause.get(n.id, ""), is_view_op(n)) for n in gf.nodes]
+        r.leafs = [NodeInfo(label(t), "NONE", dev(t), sched.cause.get(t.id, ""), False) for t in gf.leafs]
+        r.splits = [SplitInfo(i, sched.backends[sp.backend].name,
+                              [label(n) for n in sp.nodes if not is_view_op(n)], [label(s) for s in sp.inputs])
+                    for i, sp in enumerate(sched.splits)]
+        for (sid, b), c in sched.copies.items():
+            s = sched.copy_src[c.id]
+            users = sched.copy_users.get(c.id, [])
+            r.copies.append(CopyInfo(label(s), c.name, dev(s), sched.backends[b].name, s.nbytes(),
+                                     min(users) if users else -1, users))
+        r.copies.sort(key=lambda c: (c.first_split, c.tensor))
+        return r
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["n_copies"] = self.n_copies
+        d["copy_bytes"] = self.copy_bytes
+        for c in d["copies"]:
+            c["reused"] = len(c["used_by_splits"]) > 1
+        return d
+
+    def format(self, nodes: bool = True) -> str:
+        out = [f"placement over {', '.join(self.devices)}: {len(self.splits)} splits, "
+               f"{self.n_copies} copies, {self.copy_bytes} bytes copied per compute"]
+        for s in self.splits:
+            out.append(f"## SPLIT #{s.index}: {s.device} # {len(s.inputs)} inputs"
+                       + (": " + " ".join(f"[{i}]" for i in s.inputs) if s.inputs else ""))
+            out.append("   nodes: " + ", ".join(s.nodes))
+        if self.copies:
+            out.append(f"{'copy':40s} {'from':8s} {'to':8s} {'bytes':>10s}  used by splits")
+            for c in self.copies:
+                out.append(f"{c.tensor[:40]:40s} {c.src_device:8s} {c.dst_device:8s} {c.nbytes:10d}  "
+                           f"{c.used_by_splits}{'  (copied once, reused)' if c.reused else ''}")
+        if nodes:
+            out.append(f"{'node':40s} {'op':16s} {'device':8s} cause")
+            for n in self.leafs + self.nodes:
+                out.append(f"{n.name[:40]:40s} {n.op:16s} {n.device:8s} {n.cause}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.format()

@@ -1,0 +1,312 @@
+"""The scheduler: ggml's backend-scheduler passes (REFERENCE §12) over minigraph devices.
+
+Backends are in priority order, index 0 highest, the last one the host. Every device has its own
+memory kind, so a device accepts only its own buffers (supports_buft) and every crossing is a
+real byte copy. Every assignment records ggml's cause code (usr, 1.dst, 1.inp, 1.wgtN, 2.sup,
+3.best, 3.upg, 4.vsrc, 4.cur)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from .backend import Backend
+from .errors import OpError
+from .registry import OPS
+from .report import PlacementReport
+from .tensor import Tensor
+
+log = logging.getLogger("minigraph.sched")
+
+
+def is_view_op(t: Tensor) -> bool:
+    return t.op != "NONE" and OPS[t.op].is_view
+
+
+@dataclass
+class Split:
+    backend: int
+    i_start: int
+    i_end: int = -1
+    inputs: list = field(default_factory=list)     # original tensors copied in for this split
+    nodes: list = field(default_factory=list)      # compute order (views included)
+
+
+class Scheduler:
+    def __init__(self, backends: list[Backend]):
+        if not backends:
+            raise ValueError("a Scheduler needs at least one backend")
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a backend appears twice in {names}")
+        self.backends = list(backends)
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------
+    def reset(self):
+        self.assign: dict[int, int] = {}      # tensor id -> backend index
+        self.cause: dict[int, str] = {}
+        self.pins: dict[int, int] = {}
+        self.gf = None
+
+    def set_tensor_backend(self, t: Tensor, be: Backend):
+        """Pin t to a backend (cause 'usr'); passes 1, 2 and 4 respect it."""
+        self.pins[t.id] = self._index(be)
+        self.gf = None
+
+    def _index(self, be: Backend) -> int:
+        for i, b in enumerate(self.backends):
+            if b is be:
+                return i
+        raise ValueError(f"{be.name} is not one of this scheduler's backends {[b.name for b in self.backends]}")
+
+    def backend_of(self, t: Tensor) -> Backend | None:
+        i = self.assign.get(t.id, -1)
+        return self.backends[i] if i >= 0 else None
+
+    @property
+    def last(self) -> int:
+        return len(self.backends) - 1
+
+    # -- predicates -------------------------------------------------------------------------
+    @staticmethod
+    def _placed_buffer(t: Tensor):
+        """The buffer where t lives, ignoring planner-owned compute memory (re-planned each time)."""
+        buf = t.root().buffer
+        return buf if buf is not None and buf.usage != "compute" else None
+
+    def _buft_index(self, buf) -> int:
+        for i, b in enumerate(self.backends):
+            if b is buf.backend:
+                return i
+        raise OpError(f"a tensor lives on {buf.backend.name}, which is not one of this scheduler's "
+                      f"backends {[b.name for b in self.backends]}")
+
+    def _supports(self, b: int, node: Tensor) -> bool:
+        return node.op == "NONE" or is_view_op(node) or self.backends[b].supports_op(node)
+
+    def _from_buffer(self, t: Tensor, op_node: Tensor) -> int:
+        buf = self._placed_buffer(t)
+        if buf is None:
+            return -1
+        b = self._buft_index(buf)
+        return b if self._supports(b, op_node) else -1
+
+    def _buffer_supported(self, t: Tensor, b: int) -> bool:
+        buf = self._placed_buffer(t)
+        if buf is not None:
+            return self._buft_index(buf) == b
+        a = self.assign.get(t.id, -1)
+        if a < 0 and t.view_src is not None:
+            a = self.assign.get(t.view_src.id, -1)
+        return a == b
+
+    def _set(self, t: Tensor, b: int, cause: str):
+        self.assign[t.id] = b
+        self.cause[t.id] = cause
+
+    # -- passes -----------------------------------------------------------------------------
+    def _pass1(self, t: Tensor):
+        if t.id in self.pins:
+            self._set(t, self.pins[t.id], "usr")
+            return
+        b = self._from_buffer(t, t)
+        if b >= 0:
+            self._set(t, b, "1.dst")
+            return
+        if self._placed_buffer(t) is not None:
+            raise OpError(f"{t.op} {t.label}: lives on {t.root().buffer.backend.name}, which cannot run it")
+        if t.is_input:
+            self._set(t, self.last, "1.inp")
+            return
+        for slot, s in enumerate(t.srcs.values()):
+            if s.buffer is not None and s.view_src is None and s.buffer.usage == "weights":
+                self._set(t, self._from_buffer(s, t), f"1.wgt{slot}")
+                return
+
+    def _pass2(self, nodes):
+        def sweep(order, gpu_only):
+            cur = -1
+            for n in order:
+                if is_view_op(n):
+                    continue
+                a = self.assign.get(n.id, -1)
+                if a >= 0:
+                    cur = -1 if (gpu_only and a == self.last) else a
+                elif cur >= 0 and self._supports(cur, n):
+                    self._set(n, cur, "2.sup")
+        sweep(nodes, True)
+        sweep(reversed(nodes), True)
+        sweep(nodes, False)
+        sweep(reversed(nodes), False)
+
+    def _pass3(self, nodes):
+        for n in nodes:
+            if is_view_op(n):
+                continue
+            a = self.assign.get(n.id, -1)
+            if a < 0:
+                best, best_count = -1, -1
+                for b in range(len(self.backends)):
+                    if not self._supports(b, n):
+                        continue
+                    count = sum(1 for s in n.srcs.values()
+                                if (self.assign.get(s.id, -1) >= 0 or (s.view_src is not None and self.assign.get(s.view_src.id, -1) >= 0))
+                                and self._buffer_supported(s, b))
+                    if count > best_count:
+                        best, best_count = b, count
+                if best >= 0:
+                    self._set(n, best, "3.best")
+            # upgrade to a higher-priority backend with the same buffer type: every device here has
+            # its own memory kind, so no other backend shares a's buffer type and it never fires
+
+    def _pass4(self, nodes):
+        for n in nodes:
+            if self.assign.get(n.id, -1) < 0 and n.view_src is not None:
+                v = self.assign.get(n.view_src.id, -1)
+                if v >= 0:
+                    self._set(n, v, "4.vsrc")
+            for s in n.srcs.values():
+                if self.assign.get(s.id, -1) < 0:
+                    if s.view_src is not None:
+                        v = self.assign.get(s.view_src.id, -1)
+                        if v >= 0:
+                            self._set(s, v, "4.vsrc")
+                    else:
+                        cur = self.assign.get(n.id, -1)
+                        if cur >= 0:
+                            self._set(s, cur, "4.cur")
+            if self.assign.get(n.id, -1) < 0:
+                for b in range(len(self.backends)):
+                    if self._supports(b, n):
+                        self._set(n, b, "2.sup")
+                        break
+            if self.assign.get(n.id, -1) < 0:
+                raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it")
+
+    def _pass5(self, gf):
+        nodes = gf.nodes
+        self.splits: list[Split] = []
+        self.copies: dict[tuple[int, int], Tensor] = {}   # (tensor id, backend) -> copy
+        self.copy_src: dict[int, Tensor] = {}             # copy id -> original
+        self.copy_users: dict[int, list[int]] = {}        # copy id -> split indices that read it
+        first = next((i for i, n in enumerate(nodes) if not is_view_op(n)), 0)
+        cur = self.assign[nodes[first].id] if nodes else self.last
+        split = Split(cur, 0)
+        for i, n in enumerate(nodes):
+            if is_view_op(n):
+                split.nodes.append(n)
+                continue
+            b = self.assign[n.id]
+            cut = b != cur
+            if not cut and split.inputs:
+                for s in n.srcs.values():
+                    sb = self.assign.get(s.id, -1)
+                    if (s.buffer is not None and s.view_src is None and s.buffer.usage == "weights"
+                            and sb != cur and not self._buffer_supported(s, cur)):
+                        cut = True
+                        break
+            if cut:
+                split.i_end = i
+                self.splits.append(split)
+                split = Split(b, i)
+                cur = b
+            for slot, s in list(n.srcs.items()):
+                sb = self.assign.get(s.id, -1)
+                if sb < 0:
+                    raise OpError(f"{n.op} {n.label}: source {s.label} was never placed")
+                if sb != cur and not self._buffer_supported(s, cur):
+                    key = (s.id, cur)
+                    if key not in self.copies:
+                        c = Tensor(None, s.type, s.ne, s.nb, name=f"{self.backends[cur].name}#{s.name or s.label}#0")
+                        self.copies[key] = c
+                        self.copy_src[c.id] = s
+                        self.cause[c.id] = "4.cpy"
+                        split.inputs.append(s)
+                    c = self.copies[key]
+                    users = self.copy_users.setdefault(c.id, [])
+                    if len(self.splits) not in users:
+                        users.append(len(self.splits))
+                    gf.redirects.append((n, slot, s))
+                    n.srcs[slot] = c                  # redirect, as ggml does
+            split.nodes.append(n)
+        split.i_end = len(nodes)
+        self.splits.append(split)
+
+    # -- public -----------------------------------------------------------------------------
+    def split_graph(self, gf):
+        """Place every tensor and cut the graph into splits (ggml_backend_sched_split_graph).
+        The graph's sources are redirected to the copies: a scheduled graph belongs to this
+        scheduler, as in ggml."""
+        for node, slot, original in getattr(gf, "redirects", []):   # undo an earlier split
+            node.srcs[slot] = original
+        gf.redirects = []
+        self.assign, self.cause = {}, {}
+        for t in gf.leafs + gf.nodes:
+            self._pass1(t)
+        self._pass2(gf.nodes)
+        self._pass3(gf.nodes)
+        self._pass4(gf.nodes)
+        for leaf in gf.leafs:
+            if self.assign.get(leaf.id, -1) < 0:
+                raise OpError(f"leaf {leaf.label} has no device: no node consumes it directly; mark it input")
+        self._pass5(gf)
+        self.gf = gf
+        gf.sched = self
+        self._debug_print()
+
+    def alloc_graph(self, gf):
+        """Split (if needed) and give memory to everything: unallocated leaves (graph inputs) and
+        copies in a scheduler buffer per device, intermediates through each device's planner."""
+        if self.gf is not gf:
+            self.split_graph(gf)
+            gf.cache.clear()
+        if gf.cache.get("sched_alloc") is self:
+            return
+        per_dev_leaves: dict[int, list[Tensor]] = {}
+        for t in gf.leafs:
+            if t.buffer is None:
+                per_dev_leaves.setdefault(self.assign[t.id], []).append(t)
+        for c in self.copies.values():
+            b = next(k[1] for k, v in self.copies.items() if v is c)
+            per_dev_leaves.setdefault(b, []).append(c)
+        for b, ts in per_dev_leaves.items():
+            total, offs = 0, []
+            for t in ts:
+                offs.append(total)
+                total += (t.nbytes() + 63) // 64 * 64
+            buf = self.backends[b].alloc_buffer(total, "any")
+            for t, o in zip(ts, offs):
+                t.buffer, t.offs = buf, o
+        # tensors read by another device are kept alive on their own device
+        crossing = [s.root() for s in self.copy_src.values()]
+        for b, be in enumerate(self.backends):
+            nodes = [n for sp in self.splits if sp.backend == b for n in sp.nodes]
+            if nodes:
+                be.prepare(gf, nodes, keep=crossing)
+        gf.cache["sched_alloc"] = self
+
+    def graph_compute(self, gf):
+        """Run the splits in order: copy each split's inputs in, then compute its nodes."""
+        self.alloc_graph(gf)
+        for i, sp in enumerate(self.splits):
+            dst = self.backends[sp.backend]
+            for s in sp.inputs:
+                c = self.copies[(s.id, sp.backend)]
+                src_buf, src_offs = s.storage()
+                dst_buf, dst_offs = c.storage()
+                data = src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes())
+                dst.set_bytes(dst_buf, dst_offs, data)
+            dst.compute_nodes(sp.nodes)
+
+    def placement_report(self) -> PlacementReport:
+        if self.gf is None:
+            raise OpError("placement_report: no graph has been scheduled yet (call graph_compute or split_graph)")
+        return PlacementReport.from_scheduler(self)
+
+    def _debug_print(self):
+        level = int(os.environ.get("MINIGRAPH_SCHED_DEBUG", "0") or 0)
+        if level <= 0:
+            return
+        import sys
+        print(self.placement_report().format(nodes=level >= 2), file=sys.stderr)
