@@ -7,8 +7,8 @@ from ..registry import Out, build, op, reference, require
 from ..tensor import Tensor
 from ..types import DType, f16, f32, i32
 
-# conversions every backend implements (ggml's CPU dup/cpy covers these)
-CONVERTIBLE = {f32, f16, i32}
+# type pairs every backend converts (ggml's CPU cpy implements these; f16<->i32 aborts there)
+CONVERSIONS = {(f32, f16), (f16, f32), (f32, i32), (i32, f32)}
 
 
 def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
@@ -22,8 +22,9 @@ def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def _check_convert(opname, a: Tensor, t: DType):
-    require(a.type == t or (a.type in CONVERTIBLE and t in CONVERTIBLE), opname,
-            f"cannot convert {a.label} from {a.type.name} to {t.name}")
+    require(a.type == t or (a.type, t) in CONVERSIONS, opname,
+            f"cannot convert {a.label} from {a.type.name} to {t.name} (supported: same type, "
+            f"f32<->f16, f32<->i32)")
 
 
 @op("CPY", srcs=("a", "b"), params={"type": DType})
@@ -105,6 +106,7 @@ def concat(a, b, dim=0):
 @op("REPEAT", srcs=("a",), params={"ne": tuple})
 def _repeat_rule(a, ne):
     ne = tuple(int(x) for x in ne) + (1,) * (4 - len(ne))
+    require(a.is_contiguous_rows(), "REPEAT", f"{a.label} rows must be contiguous (nb0 == {a.type.size})")
     require(a.nelements() > 0 and all(n % m == 0 for n, m in zip(ne, a.ne)), "REPEAT",
             f"{a.label} ne={list(a.ne)} cannot be tiled to ne={list(ne)} (each extent must divide)")
     return Out(a.type, ne)

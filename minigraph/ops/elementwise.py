@@ -132,7 +132,7 @@ def div(a, b, inplace=False):
 @op("SCALE", srcs=("a",), params={"s": float, "b": float, "inplace": bool})
 def _scale_rule(a, s, b, inplace):
     require(a.type == f32, "SCALE", f"{a.label} must be f32, got {a.type.name}")
-    require(a.is_contiguous_rows(), "SCALE", f"{a.label} rows must be contiguous (nb0 == 4)")
+    require(a.is_contiguous(), "SCALE", f"{a.label} must be contiguous, got nb={list(a.nb)}")
     return _same_or_view(a, inplace)
 
 

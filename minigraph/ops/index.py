@@ -26,6 +26,7 @@ def _get_rows_rule(a, b):
     require(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2], "GET_ROWS",
             f"{a.label} ne={list(a.ne)} and indices {b.label} ne={list(b.ne)}: need a.ne2 == b.ne1 and a.ne3 == b.ne2")
     require(b.ne[3] == 1, "GET_ROWS", f"indices {b.label} must have ne3 == 1, got ne={list(b.ne)}")
+    require(a.is_contiguous_rows(), "GET_ROWS", f"rows {a.label} must be contiguous (nb0 == {a.type.size})")
     out_type = i32 if a.type == i32 else f32
     return Out(out_type, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]))
 
@@ -80,8 +81,8 @@ def set_rows(a, b, c):
 
 @op("ARANGE", params={"start": float, "stop": float, "step": float})
 def _arange_rule(start, stop, step):
-    require(step != 0 and (stop - start) / step > 0, "ARANGE",
-            f"start={start}, stop={stop}, step={step} gives no elements")
+    require(stop > start and step > 0, "ARANGE",
+            f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")
     n = math.ceil(float((np.float32(stop) - np.float32(start)) / np.float32(step)))  # ceilf in f32
     return Out(f32, (n,))
 

@@ -1,0 +1,187 @@
+"""The llm_graph_context analogue: graph parameters, graph inputs with set_input/can_reuse, the
+graph result that reuse keeps, build_inp_rs, build_rs and the one build_conv_state_store.
+
+A model's graph builder receives a GraphContext and returns its output tensors by name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+import minigraph as mg
+
+from .conv_state import build_slot_order, conv_state_store
+
+SLOT_ORDERS = ("per-layer", "shared-first-layer", "host-input")
+
+
+@dataclass
+class GraphParams:
+    """What a graph was built for (llm_graph_params); reuse compares two of these."""
+    arch: str
+    ubatch: object
+    mctx: object                 # the recurrent memory (rebound on every reuse)
+    n_rs_seq: int
+    slot_order: str
+    n_outputs: int
+
+    def allow_reuse(self, other: "GraphParams") -> bool:
+        """llama.cpp's allow_reuse: same ubatch shape, same unique seq ids (equal splits),
+        same outputs, same architecture and graph-shaping parameters."""
+        a, b = self.ubatch, other.ubatch
+        same_shape = (a.equal_seqs == b.equal_seqs and a.n_tokens == b.n_tokens and
+                      a.n_seq_tokens == b.n_seq_tokens and a.n_seqs == b.n_seqs and
+                      a.n_seqs_unq == b.n_seqs_unq)
+        if same_shape and a.equal_seqs:
+            same_shape = list(a.seq_id_unq) == list(b.seq_id_unq)
+        return (same_shape and self.n_outputs == other.n_outputs and self.arch == other.arch and
+                self.n_rs_seq == other.n_rs_seq and self.slot_order == other.slot_order)
+
+
+class GraphInput:
+    """A graph input: filled from the ubatch before every compute; says whether a graph built
+    for other params can be reused for these."""
+
+    def set_input(self, ubatch):
+        raise NotImplementedError
+
+    def can_reuse(self, params: GraphParams) -> bool:
+        raise NotImplementedError
+
+
+class InputTokens(GraphInput):
+    def __init__(self, tokens: mg.Tensor):
+        self.tokens = tokens
+
+    def set_input(self, ubatch):
+        self.tokens.set(np.asarray(ubatch.token, np.int32))
+
+    def can_reuse(self, params):
+        return self.tokens.ne[0] == params.ubatch.n_tokens
+
+
+class InputRS(GraphInput):
+    """llm_graph_input_rs: s_copy [n_rs] and its two views, head and rs_z captured at build time
+    (they are baked into byte offsets of cache views), and seed 001's host-filled slot order when
+    the host-input strategy asks for it."""
+
+    def __init__(self, s_copy, s_copy_main, s_copy_tail, head, rs_z, mctx):
+        self.s_copy, self.s_copy_main, self.s_copy_tail = s_copy, s_copy_main, s_copy_tail
+        self.head, self.rs_z, self.mctx = head, rs_z, mctx
+        self.s_slot_rev: mg.Tensor | None = None       # host-input strategy only
+        self.shared_slot_order: mg.Tensor | None = None  # shared-first-layer strategy only
+
+    def set_input(self, ubatch):
+        # s_copy(i) consumes a pending rollback: the next read comes from plane k
+        self.s_copy.set(np.array([self.mctx.s_copy(i) for i in range(self.s_copy.ne[0])], np.int32))
+        if self.s_slot_rev is not None:
+            kw = self.s_slot_rev.ne[0]
+            self.s_slot_rev.set(np.arange(kw - 1, -1, -1, dtype=np.int32))
+
+    def can_reuse(self, params):
+        self.mctx = params.mctx                          # rebind first, as llama.cpp does
+        n_rs, n_seqs = params.mctx.get_n_rs(), params.ubatch.n_seqs
+        return (self.s_copy.ne[0] == n_rs and self.s_copy_main.ne[0] == n_seqs and
+                self.s_copy_tail.ne[0] == n_rs - n_seqs and self.head == params.mctx.get_head() and
+                self.rs_z == params.mctx.get_rs_z())
+
+
+@dataclass
+class GraphResult:
+    """llm_graph_result: the graph, its inputs and outputs, and what scheduled it."""
+    params: GraphParams
+    gf: mg.Graph
+    inputs: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)
+    sched: object = None
+
+    def can_reuse(self, params: GraphParams) -> bool:
+        if not self.params.allow_reuse(params):
+            return False
+        ok = True
+        for inp in self.inputs:          # every input is asked, so every one rebinds its mctx
+            ok = inp.can_reuse(params) and ok
+        if ok:
+            self.params = params
+        return ok
+
+    def set_inputs(self, ubatch):
+        for inp in self.inputs:
+            inp.set_input(ubatch)
+
+
+class GraphContext:
+    """What a model's graph builder uses: ctx0 and gf to build into, the ubatch, the memory,
+    the input builders and the recurrent-state helpers."""
+
+    def __init__(self, params: GraphParams, res: GraphResult):
+        if params.slot_order not in SLOT_ORDERS:
+            raise ValueError(f"unknown slot order {params.slot_order!r}; choose one of {SLOT_ORDERS}")
+        self.params = params
+        self.res = res
+        self.ctx0 = mg.Context()
+        self.gf = res.gf
+        self.ubatch = params.ubatch
+        self.mctx = params.mctx
+        self.n_rs_seq = params.n_rs_seq
+        self.n_tokens = params.ubatch.n_tokens
+        self.n_seq_tokens = params.ubatch.n_seq_tokens
+        self.n_seqs = params.ubatch.n_seqs
+
+    # -- inputs -------------------------------------------------------------------------------
+    def build_inp_tokens(self) -> mg.Tensor:
+        t = self.ctx0.new_tensor_1d(mg.i32, self.n_tokens).set_name("inp_tokens").set_input()
+        self.res.inputs.append(InputTokens(t))
+        return t
+
+    def build_inp_rs(self) -> InputRS:
+        n_rs, n_seqs = self.mctx.get_n_rs(), self.n_seqs
+        s_copy = self.ctx0.new_tensor_1d(mg.i32, n_rs).set_name("inp_s_copy").set_input()
+        main = mg.view_1d(s_copy, n_seqs, 0).set_name("inp_s_copy_main")
+        tail = mg.view_1d(s_copy, n_rs - n_seqs, n_seqs * s_copy.type.size).set_name("inp_s_copy_tail")
+        inp = InputRS(s_copy, main, tail, self.mctx.get_head(), self.mctx.get_rs_z(), self.mctx)
+        self.res.inputs.append(inp)
+        return inp
+
+    # -- recurrent state ----------------------------------------------------------------------
+    def build_rs(self, inp: InputRS, s: mg.Tensor, state_size: int, n_seqs: int,
+                 get_state_rows: Callable | None = None) -> mg.Tensor:
+        """Read the ubatch's states ([state_size, n_seqs]) from the cache s (REFERENCE §3.5):
+        zero the rs_z row first, gather by s_copy_main (any plane), move the tail cells."""
+        gf = self.gf
+        states = mg.reshape_2d(s, state_size, s.ne[1])          # all mem_size*K rows
+        z = inp.rs_z
+        zero = mg.view_1d(states, state_size * (z >= 0), z * states.nb[1] * (z >= 0))
+        gf.build_forward_expand(mg.scale_inplace(zero, 0.0))
+        fn = get_state_rows or (lambda ctx, st, ids: mg.get_rows(st, ids))
+        out = fn(self.ctx0, states, inp.s_copy_main)
+        gf.build_forward_expand(out)
+        n_extra = inp.s_copy.ne[0] - n_seqs
+        if n_extra > 0:
+            extra = mg.get_rows(states, inp.s_copy_tail)
+            dst = mg.view_2d(s, state_size, n_extra, s.nb[1], (inp.head + n_seqs) * s.nb[1])
+            gf.build_forward_expand(mg.cpy(extra, dst))
+        return out
+
+    def build_conv_state_store(self, inp: InputRS, s: mg.Tensor, conv_x: mg.Tensor, n_cols: int, offs: int = 0):
+        """The one place conv history is written (seed 000), with this graph's slot order."""
+        slot_order = None
+        if self.n_rs_seq > 0:
+            K = self.n_rs_seq + 1
+            Kw = min(conv_x.ne[0] - n_cols, K)
+            slot_order = self._slot_order(inp, K, Kw)
+        conv_state_store(self.gf, s, conv_x, n_cols, offs, inp.head, self.mctx.get_size(),
+                         self.n_rs_seq, slot_order=slot_order)
+
+    def _slot_order(self, inp: InputRS, K: int, Kw: int) -> mg.Tensor | None:
+        strategy = self.params.slot_order
+        if strategy == "per-layer":
+            return None                      # conv_state_store builds it next to its set_rows
+        if strategy == "shared-first-layer":
+            if inp.shared_slot_order is None:
+                inp.shared_slot_order = build_slot_order(self.ctx0, K, Kw)
+            return inp.shared_slot_order
+        if inp.s_slot_rev is None:           # host-input (seed 001): one I32 input for all layers
+            inp.s_slot_rev = self.ctx0.new_tensor_1d(mg.i32, Kw).set_name("rs_s_slot_rev").set_input()
+        return inp.s_slot_rev
