@@ -8,12 +8,22 @@ from __future__ import annotations
 import minigraph as mg
 
 
-def build_slot_order(ctx, K: int, Kw: int):
-    """{K-1, ..., 0} built on the layer's own device (arange -> scale_bias -> cast), then its tail
-    {Kw-1, ..., 0}. K never depends on the ubatch, so a reserved graph covers every size."""
+def build_slot_rev(ctx, K: int):
+    """{K-1, ..., 0} as I32, computed on the device (arange -> scale_bias -> cast); F32 is exact
+    for these small integers. K never depends on the ubatch, so a reserved graph covers all."""
     s_slot_rev = mg.cast(mg.scale_bias(mg.arange(ctx, 0.0, float(K), 1.0), -1.0, float(K - 1)), mg.i32)
-    s_slot_rev.set_name("s_slot_rev")
-    return mg.view_1d(s_slot_rev, Kw, (K - Kw) * mg.i32.size)
+    return s_slot_rev.set_name("s_slot_rev")
+
+
+def slot_order_tail(s_slot_rev, Kw: int):
+    """The last Kw entries {Kw-1, ..., 0} of {K-1, ..., 0}."""
+    K = s_slot_rev.ne[0]
+    return mg.view_1d(s_slot_rev, Kw, (K - Kw) * mg.i32.size).set_name("slot_order")
+
+
+def build_slot_order(ctx, K: int, Kw: int):
+    """Seed 000: each conv layer builds its own order next to its set_rows and views its tail."""
+    return slot_order_tail(build_slot_rev(ctx, K), Kw)
 
 
 def conv_state_store(gf: mg.Graph, s: mg.Tensor, conv_x: mg.Tensor, n_cols: int, offs: int,

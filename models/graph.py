@@ -11,7 +11,7 @@ import numpy as np
 
 import minigraph as mg
 
-from .conv_state import build_slot_order, conv_state_store
+from .conv_state import build_slot_rev, conv_state_store, slot_order_tail
 
 SLOT_ORDERS = ("per-layer", "shared-first-layer", "host-input")
 
@@ -70,7 +70,7 @@ class InputRS(GraphInput):
         self.s_copy, self.s_copy_main, self.s_copy_tail = s_copy, s_copy_main, s_copy_tail
         self.head, self.rs_z, self.mctx = head, rs_z, mctx
         self.s_slot_rev: mg.Tensor | None = None       # host-input strategy only
-        self.shared_slot_order: mg.Tensor | None = None  # shared-first-layer strategy only
+        self.shared_slot_rev: mg.Tensor | None = None    # shared-first-layer strategy only
 
     def set_input(self, ubatch):
         # s_copy(i) consumes a pending rollback: the next read comes from plane k
@@ -179,9 +179,11 @@ class GraphContext:
         if strategy == "per-layer":
             return None                      # conv_state_store builds it next to its set_rows
         if strategy == "shared-first-layer":
-            if inp.shared_slot_order is None:
-                inp.shared_slot_order = build_slot_order(self.ctx0, K, Kw)
-            return inp.shared_slot_order
+            # what seed 000 replaced: one order, built where the first conv layer is; each layer
+            # views its own tail, so each layer on another device copies that view
+            if inp.shared_slot_rev is None:
+                inp.shared_slot_rev = build_slot_rev(self.ctx0, K)
+            return slot_order_tail(inp.shared_slot_rev, Kw)
         if inp.s_slot_rev is None:           # host-input (seed 001): one I32 input for all layers
             inp.s_slot_rev = self.ctx0.new_tensor_1d(mg.i32, Kw).set_name("rs_s_slot_rev").set_input()
         return inp.s_slot_rev

@@ -84,6 +84,7 @@ def _arange_rule(start, stop, step):
     require(stop > start and step > 0, "ARANGE",
             f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")
     n = math.ceil(float((np.float32(stop) - np.float32(start)) / np.float32(step)))  # ceilf in f32
+    require(n > 0, "ARANGE", f"start={start}, stop={stop}, step={step} gives no elements in f32")
     return Out(f32, (n,))
 
 
