@@ -1,0 +1,215 @@
+"""The decode runner (llama_context::decode in small): split a batch into ubatches, find a slot,
+build or reuse the graph, schedule, set inputs, compute; speculative drafts with rollback.
+
+Graph reuse follows llama.cpp (REFERENCE §3.6): the previous graph is reused when its params
+allow it and every input agrees; on reuse only set_input runs — the graph, its schedule, the
+memory plan and the backends' plans are all kept. MINIGRAPH_GRAPH_REUSE=0 disables reuse;
+MINIGRAPH_GRAPH_REUSE_CHECK=1 (or validate=True) recomputes every reused step from a fresh build
+on the same starting memory and raises ReuseMismatch on the first differing byte."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import minigraph as mg
+
+from .batch import Batch, BatchAllocr
+from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult
+from .memory import RecurrentMemory
+
+log = logging.getLogger("minigraph.runner")
+
+
+class ReuseMismatch(AssertionError):
+    """A reused graph computed something a fresh build does not."""
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stats:
+    builds: int = 0
+    reuses: int = 0
+    ubatches: int = 0
+    tokens: int = 0
+    rollbacks: int = 0
+    rollbacks_refused: int = 0
+    validated: int = 0
+    host_s_build: float = 0.0        # graph build + schedule + memory plan (rebuilt steps)
+    host_s_reuse: float = 0.0        # reuse check (reused steps)
+    copies: list = field(default_factory=list)      # per ubatch: (n copies, bytes)
+
+
+def clamp_n_rs_seq(model, n_rs_seq: int) -> int:
+    """Seed 000's clamp: rollback needs an architecture that supports it and a causal model."""
+    if n_rs_seq > 0 and (not getattr(model, "supports_rollback", False) or not getattr(model, "causal", True)):
+        why = "does not support recurrent partial rollback" if not getattr(model, "supports_rollback", False) \
+            else "is not causal"
+        log.info("n_rs_seq=%d requested but model %s %s; clamping to 0", n_rs_seq, model.arch, why)
+        return 0
+    return n_rs_seq
+
+
+def default_backends(model) -> list:
+    """The model's devices in priority order: layer devices first, the host (last) at the end."""
+    seen = []
+    for d in list(model.layer_devices) + [model.host]:
+        if d not in seen:
+            seen.append(d)
+    if model.host in seen:
+        seen.remove(model.host)
+        seen.append(model.host)
+    return seen
+
+
+class Runner:
+    def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
+                 slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
+                 validate: bool | None = None, atomic: bool = True):
+        if slot_order not in SLOT_ORDERS:
+            raise ValueError(f"unknown slot order {slot_order!r}; choose one of {SLOT_ORDERS}")
+        self.model = model
+        self.n_rs_seq = clamp_n_rs_seq(model, n_rs_seq)
+        self.K = self.n_rs_seq + 1
+        if self.n_rs_seq > 0 and n_ubatch < self.n_rs_seq + 2:
+            n_ubatch = self.n_rs_seq + 2           # split_equal needs n_ubatch > n_keep_tail
+        self.n_ubatch = n_ubatch
+        self.slot_order = slot_order
+        self.backends = list(backends) if backends else default_backends(model)
+        self.memory = RecurrentMemory(model.layers, model.n_embd_r, model.n_embd_s, mem_size,
+                                      self.n_rs_seq, {il: model.layer_devices[il] for il in model.layers})
+        env_reuse = os.environ.get("MINIGRAPH_GRAPH_REUSE", "1").strip() not in ("0", "")
+        self.reuse = env_reuse if reuse is None else reuse
+        env_check = os.environ.get("MINIGRAPH_GRAPH_REUSE_CHECK", "0").strip() not in ("0", "")
+        self.validate = env_check if validate is None else validate
+        self.atomic = atomic
+        self.prev: GraphResult | None = None
+        self.stats = Stats()
+
+    # -- one ubatch -------------------------------------------------------------------------
+    def _build(self, params: GraphParams) -> GraphResult:
+        res = GraphResult(params, mg.Graph())
+        g = GraphContext(params, res)
+        res.outputs = self.model.build(g)
+        res.sched = mg.Scheduler(self.backends)
+        res.sched.alloc_graph(res.gf)
+        return res
+
+    def _state_bytes(self) -> dict:
+        out = {}
+        for il in self.model.layers:
+            for t in (self.memory.r_l.get(il), self.memory.s_l.get(il)):
+                if t is not None:
+                    out[t.name] = t.numpy().tobytes()
+        return out
+
+    def process_ubatch(self, ub) -> np.ndarray:
+        """Run one ubatch; returns logits [n_tokens, n_vocab] in ubatch order. A failure leaves
+        the memory (cells and state bytes) exactly as it was before the step."""
+        snap = self.memory.snapshot() if self.atomic else None
+        try:
+            if not self.memory.find_slot(ub):
+                raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences")
+            params = GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens)
+            t0 = time.perf_counter()
+            reused = self.reuse and self.prev is not None and self.prev.can_reuse(params)
+            if reused:
+                res = self.prev
+                self.stats.reuses += 1
+                self.stats.host_s_reuse += time.perf_counter() - t0
+            else:
+                self.prev = None
+                res = self._build(params)
+                self.stats.builds += 1
+                self.stats.host_s_build += time.perf_counter() - t0
+            before = self.memory.snapshot() if (reused and self.validate) else None
+            res.set_inputs(ub)
+            res.sched.graph_compute(res.gf)
+            logits = res.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
+            if before is not None:
+                self._validate(params, ub, before, logits)
+            self.prev = res
+            rep = res.sched.placement_report()
+            self.stats.copies.append((rep.n_copies, rep.copy_bytes))
+            self.stats.ubatches += 1
+            self.stats.tokens += ub.n_tokens
+            return logits
+        except BaseException:
+            if snap is not None:
+                self.memory.restore(snap)
+            self.prev = None
+            raise
+
+    def _validate(self, params, ub, before, logits):
+        """Recompute the step from a fresh build on the same starting memory; compare bytes."""
+        after = self._state_bytes()
+        self.memory.restore(before)
+        fresh = self._build(params)
+        fresh.set_inputs(ub)
+        fresh.sched.graph_compute(fresh.gf)
+        fresh_logits = fresh.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
+        checks = [("logits", logits.tobytes(), fresh_logits.tobytes())]
+        checks += [(k, after[k], v) for k, v in self._state_bytes().items()]
+        for name, got, want in checks:
+            if got != want:
+                a, b = np.frombuffer(got, np.uint8), np.frombuffer(want, np.uint8)
+                i = int(np.argmax(a != b))
+                raise ReuseMismatch(f"graph reuse: {name} differs from a fresh build at byte {i} "
+                                    f"(reused {a[i]:#04x}, fresh {b[i]:#04x}) in ubatch of "
+                                    f"{ub.n_seqs}x{ub.n_seq_tokens} tokens at head {params.mctx.get_head()}")
+        self.stats.validated += 1
+
+    # -- batches ----------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> np.ndarray:
+        """Decode a batch; returns logits [n_tokens, n_vocab] in the batch's token order."""
+        allocr = BatchAllocr(batch)
+        ubatches = allocr.split_all("equal", self.n_ubatch, sequential=True,
+                                    n_keep_tail=self.K if self.n_rs_seq > 0 else 0)
+        if not self.memory.prepare(ubatches):
+            raise DecodeError("the batch does not fit in the recurrent memory")
+        where = {(s[0], p): i for i, (s, p) in enumerate(zip(batch.seq_ids, batch.pos))}
+        out = None
+        for ub in ubatches:
+            logits = self.process_ubatch(ub)
+            if out is None:
+                out = np.zeros((len(batch.tokens), logits.shape[1]), np.float32)
+            for j in range(ub.n_tokens):
+                out[where[(ub.seq_id[j][0], ub.pos[j])]] = logits[j]
+        return out
+
+    def next_pos(self, seq: int) -> int:
+        return self.memory.seq_pos_max(seq) + 1
+
+    def decode_seq_tokens(self, seq_tokens: dict) -> dict:
+        """Decode {seq: [tokens]} continuing each sequence; returns {seq: logits [n, n_vocab]}."""
+        batch = Batch.from_seqs(seq_tokens, start_pos={s: self.next_pos(s) for s in seq_tokens})
+        logits = self.decode(batch)
+        out, i = {}, 0
+        for s, toks in seq_tokens.items():
+            idx = [k for k, ids in enumerate(batch.seq_ids) if ids[0] == s]
+            out[s] = logits[idx]
+        return out
+
+    def rollback(self, seq: int, k: int) -> bool:
+        """Drop the last k tokens of seq; True if the memory could do it exactly."""
+        ok = self.memory.rollback(seq, k)
+        if ok:
+            self.stats.rollbacks += 1
+        else:
+            self.stats.rollbacks_refused += 1
+        return ok
+
+    def speculative_step(self, seq: int, draft: list, n_accept: int) -> np.ndarray:
+        """Decode a draft of d tokens for seq, keep the first n_accept, roll back the rest.
+        Returns the logits of the accepted tokens."""
+        logits = self.decode_seq_tokens({seq: list(draft)})[seq]
+        k = len(draft) - n_accept
+        if k > 0 and not self.rollback(seq, k):
+            raise DecodeError(f"rollback of {k} tokens on seq {seq} refused: {self.memory.last_refusal}")
+        return logits[:n_accept]
