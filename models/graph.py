@@ -187,3 +187,15 @@ class GraphContext:
         if inp.s_slot_rev is None:           # host-input (seed 001): one I32 input for all layers
             inp.s_slot_rev = self.ctx0.new_tensor_1d(mg.i32, Kw).set_name("rs_s_slot_rev").set_input()
         return inp.s_slot_rev
+
+    def build_state_store(self, inp: InputRS, s: mg.Tensor, packed: mg.Tensor, state_offs: int, D: int):
+        """Store the K state snapshots an op packs after its main output (ssm_scan,
+        gated_delta_net: slot j = state j tokens back, slot-major then seq) into the s cache:
+        slot j of seq q -> row j*mem_size + head + q, for j < min(T, K) (REFERENCE §6.1, §6.3)."""
+        K = self.n_rs_seq + 1
+        S = self.n_seqs
+        n_written = min(self.n_seq_tokens, K)
+        elt = packed.type.size
+        src = mg.view_3d(packed, D, S, n_written, D * elt, D * elt * S, state_offs)
+        dst = mg.view_3d(s, D, S, n_written, s.nb[1], self.mctx.get_size() * s.nb[1], inp.head * s.nb[1])
+        self.gf.build_forward_expand(mg.cpy(src, dst))
