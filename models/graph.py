@@ -95,6 +95,7 @@ class GraphResult:
     inputs: list = field(default_factory=list)
     outputs: dict = field(default_factory=dict)
     sched: object = None
+    copy_stats: tuple = (0, 0)      # (copies, bytes) per compute
 
     def can_reuse(self, params: GraphParams) -> bool:
         if not self.params.allow_reuse(params):

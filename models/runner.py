@@ -99,6 +99,8 @@ class Runner:
         res.outputs = self.model.build(g)
         res.sched = mg.Scheduler(self.backends)
         res.sched.alloc_graph(res.gf)
+        rep = res.sched.placement_report()
+        res.copy_stats = (rep.n_copies, rep.copy_bytes)     # per compute, fixed for the graph
         return res
 
     def _state_bytes(self) -> dict:
@@ -135,8 +137,7 @@ class Runner:
             if before is not None:
                 self._validate(params, ub, before, logits)
             self.prev = res
-            rep = res.sched.placement_report()
-            self.stats.copies.append((rep.n_copies, rep.copy_bytes))
+            self.stats.copies.append(res.copy_stats)
             self.stats.ubatches += 1
             self.stats.tokens += ub.n_tokens
             return logits
