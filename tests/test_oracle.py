@@ -1,7 +1,7 @@
 """minigraph's reference backend against real ggml (libggml-python 0.20.2.post1, CPU).
 
 Every op case of minigraph.op_cases that ggml can run is built twice from the same seed, once
-computed by minigraph's `ref` backend and once by ggml through tests/ggml_oracle.py, and the
+computed by minigraph's `ref` backend and once by ggml through minigraph/ggml_oracle.py, and the
 outputs compared (bit for bit for copies and index ops). The conv-state store of seed 000
 (REFERENCE §4.3) is also run whole and every byte of the state buffer compared.
 """
@@ -20,7 +20,7 @@ if importlib.util.find_spec("libggml") is None:
     pytest.skip("real ggml is not installed: pip install libggml-python==0.20.2.post1 "
                 "(the 'test' extra) to run the oracle tests", allow_module_level=True)
 
-from ggml_oracle import GgmlRefuses, run_in_ggml  # noqa: E402
+from minigraph.ggml_oracle import GgmlRefuses, run_in_ggml  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -57,7 +57,7 @@ def test_case_matches_ggml(case):
 
 def test_every_ggml_case_is_covered():
     """The oracle translates every op that a ggml-runnable case uses."""
-    from ggml_oracle import _TRANSLATE
+    from minigraph.ggml_oracle import _TRANSLATE
     ops = {c.op for c in CASES if c.ggml}
     assert ops <= set(_TRANSLATE), sorted(ops - set(_TRANSLATE))
 
