@@ -1,0 +1,369 @@
+"""The `minigraph` command: run a tiny recurrent model with speculative drafts and rollbacks,
+show where slot-order tensors land, experiment with graph reuse, check ops, run benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _fail(msg: str, code: int = 2):
+    print(f"minigraph: error: {msg}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _common(p, model=True):
+    if model:
+        p.add_argument("model", help="mamba2, delta-net, lfm, kda (or toy)")
+    p.add_argument("--devices", default="cpu", help="comma-separated devices in priority order, the host last "
+                   "(default: cpu); layers are split over them in order")
+    p.add_argument("--n-rs-seq", type=int, default=3, help="rollback depth (K = n_rs_seq + 1 slots)")
+    p.add_argument("--slot-order", default="per-layer", choices=["per-layer", "shared-first-layer", "host-input"])
+    p.add_argument("--ubatch", type=int, default=8, help="tokens per ubatch")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--layers", type=int, default=0, help="number of layers (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gguf", default=None, help="load weights from a GGUF file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _setup(args):
+    from models.zoo import UsageError, make_model, parse_devices
+    try:
+        devices = parse_devices(args.devices)
+        if args.threads:
+            for d in devices:
+                if hasattr(d, "set_n_threads"):
+                    d.set_n_threads(args.threads)
+        kw = {"n_layer": args.layers} if args.layers else {}
+        model = make_model(args.model, devices, seed=args.seed, gguf=args.gguf, **kw)
+    except UsageError as e:
+        _fail(str(e))
+    if args.n_rs_seq < 0:
+        _fail("--n-rs-seq must be >= 0")
+    return devices, model
+
+
+def _runner(model, devices, args, **kw):
+    from models.runner import Runner
+    return Runner(model, mem_size=2, n_rs_seq=args.n_rs_seq, n_ubatch=args.ubatch,
+                  slot_order=args.slot_order, backends=devices, **kw)
+
+
+def _state_bytes(runner) -> bytes:
+    out = b""
+    for il in runner.model.layers:
+        for t in (runner.memory.r_l.get(il), runner.memory.s_l.get(il)):
+            if t is not None:
+                out += t.numpy()[: runner.memory.size].tobytes()   # plane 0: the live state
+    return out
+
+
+# -- run -------------------------------------------------------------------------------------
+def cmd_run(args):
+    from models.runner import DecodeError
+    devices, model = _setup(args)
+    n_vocab = model.n_vocab
+    rng = np.random.default_rng(args.seed)
+    r = _runner(model, devices, args)
+    draft = args.draft if args.draft is not None else max(r.n_rs_seq, 1)
+    prompt = [int(x) for x in rng.integers(0, n_vocab, 8)]
+    accepted = list(prompt)
+    chunks = [list(prompt)]          # the ubatches a run that never saw a rejected token decodes
+    t0 = time.perf_counter()
+    r.decode_seq_tokens({0: prompt})
+    progress = args.steps >= 50 and not args.json
+    for step in range(args.steps):
+        d = int(rng.integers(1, draft + 1))
+        toks = [int(x) for x in rng.integers(0, n_vocab, d)]
+        n_accept = int(rng.integers(1, d + 1))
+        r.decode_seq_tokens({0: toks})
+        k = d - n_accept
+        if k > 0 and not r.rollback(0, k):
+            if not args.reeval:
+                _fail(f"rollback of {k} tokens refused: {r.memory.last_refusal} "
+                      f"(use --draft <= --n-rs-seq, or --reeval to re-evaluate from scratch)", 1)
+            r.memory.seq_rm(0, -1, -1)                 # re-evaluate the accepted history
+            r.prev = None
+            r.decode_seq_tokens({0: accepted + toks[:n_accept]})
+            chunks = [accepted + toks[:n_accept]]
+        else:
+            chunks.append(toks[:n_accept])
+        accepted += toks[:n_accept]
+        if progress and (step + 1) % max(1, args.steps // 10) == 0:
+            print(f"  step {step + 1}/{args.steps}: {len(accepted)} tokens accepted", file=sys.stderr)
+    elapsed = time.perf_counter() - t0
+    last = r.decode_seq_tokens({0: [0]})[0]
+    # the state check: a run that never saw a rejected token (same ubatches otherwise, so the
+    # same kernels run on the same shapes) must end in the same state, bit for bit
+    ref = _runner(model, devices, args)
+    try:
+        for c in chunks:
+            ref.decode_seq_tokens({0: c})
+        ref_last = ref.decode_seq_tokens({0: [0]})[0]
+        ok = np.array_equal(last, ref_last) and _state_bytes(r) == _state_bytes(ref)
+    except DecodeError:
+        ok = False
+    st = r.stats
+    n_steps = max(1, len(st.copies))
+    out = {
+        "model": args.model, "devices": [d.name for d in devices], "n_rs_seq": r.n_rs_seq,
+        "slot_order": args.slot_order, "steps": args.steps,
+        "tokens": st.tokens, "tokens_accepted": len(accepted), "seconds": elapsed,
+        "tokens_per_s": st.tokens / elapsed if elapsed > 0 else 0.0,
+        "builds": st.builds, "reuses": st.reuses,
+        "copies_per_step": sum(c for c, _ in st.copies) / n_steps,
+        "copy_bytes_per_step": sum(b for _, b in st.copies) / n_steps,
+        "rollbacks": st.rollbacks, "rollbacks_refused": st.rollbacks_refused,
+        "state_check": "pass" if ok else "fail",
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{args.model} on {','.join(out['devices'])}: n_rs_seq={r.n_rs_seq}, slot order {args.slot_order}")
+        print(f"  tokens decoded      {st.tokens} ({len(accepted)} accepted) in {elapsed:.2f} s = {out['tokens_per_s']:.1f} tokens/s")
+        print(f"  graphs              {st.builds} builds, {st.reuses} reuses")
+        print(f"  cross-device copies {out['copies_per_step']:.1f} per step, {out['copy_bytes_per_step']:.0f} bytes per step")
+        print(f"  rollbacks           {st.rollbacks} done, {st.rollbacks_refused} refused")
+        print(f"  state check         {out['state_check']} (against a run that saw only the accepted tokens)")
+    return 0 if ok else 1
+
+
+# -- placement -------------------------------------------------------------------------------
+def _placement(model, devices, args, strategy):
+    from models.batch import Batch, BatchAllocr
+    from models.graph import GraphContext, GraphParams, GraphResult
+    import minigraph as mg
+    r = _runner(model, devices, args, reuse=False)
+    r.slot_order = strategy
+    toks = list(range(min(args.ubatch, 4)))
+    ub = BatchAllocr(Batch.from_seqs({0: toks})).split_all("equal", args.ubatch, sequential=True,
+                                                           n_keep_tail=r.K if r.n_rs_seq else 0)[0]
+    r.memory.find_slot(ub)
+    params = GraphParams(model.arch, ub, r.memory, r.n_rs_seq, strategy, ub.n_tokens)
+    res = r._build(params)
+    sched = res.sched
+    rep = sched.placement_report()
+    layers = []
+    for n in res.gf.nodes:
+        if n.op != "SET_ROWS" and n.op != "CPY":
+            continue
+        dst = n.view_src
+        if dst is None or not dst.name.startswith("cache_r_l"):
+            continue
+        order = n.srcs.get("c")
+        info = {"layer": dst.name, "store_device": sched.backend_of(n).name}
+        if order is None:
+            info.update(slot_order=None, order_device=None, copied=False)
+        else:
+            orig = sched.copy_src.get(order.id, order)
+            info.update(slot_order=orig.name or orig.label, order_device=sched.backend_of(orig).name,
+                        copied=orig is not order, copy=order.name if orig is not order else None)
+        layers.append(info)
+    slot_copies = [c for c in rep.copies if "slot" in c.tensor]
+    return res, rep, layers, {
+        "slot_order_copies": len(slot_copies), "copies": rep.n_copies, "copy_bytes": rep.copy_bytes,
+        "splits": len(rep.splits), "layers": layers,
+        "slot_order_copy_list": [{"tensor": c.tensor, "src_device": c.src_device, "dst_device": c.dst_device,
+                                  "nbytes": c.nbytes, "used_by_splits": c.used_by_splits} for c in slot_copies],
+    }
+
+
+def cmd_placement(args):
+    import minigraph as mg
+    from models.graph import SLOT_ORDERS
+    devices, model = _setup(args)
+    strategies = list(SLOT_ORDERS) if args.compare else [args.slot_order]
+    results = {}
+    for s in strategies:
+        res, rep, layers, summary = _placement(model, devices, args, s)
+        results[s] = (res, rep, summary)
+    if args.dot or args.png:
+        res = results[strategies[0]][0]
+        for path in filter(None, [args.dot, args.png]):
+            try:
+                mg.draw(res.gf, path)
+            except RuntimeError as e:
+                _fail(str(e), 1)
+    if args.json:
+        if args.compare:
+            print(json.dumps({"model": args.model, "devices": [d.name for d in devices],
+                              "strategies": {s: v[2] for s, v in results.items()}}))
+        else:
+            s = strategies[0]
+            print(json.dumps({"model": args.model, "devices": [d.name for d in devices], "slot_order": s,
+                              **results[s][2], "report": results[s][1].to_dict()}))
+        return 0
+    for s in strategies:
+        res, rep, summary = results[s]
+        print(f"== {args.model}, slot order {s}: {summary['splits']} splits, {summary['copies']} copies "
+              f"({summary['copy_bytes']} bytes), {summary['slot_order_copies']} of them slot-order copies")
+        for L in summary["layers"]:
+            where = "no slot order (n_rs_seq = 0)" if L["slot_order"] is None else \
+                f"slot order {L['slot_order']} on {L['order_device']}" + (f", copied as {L['copy']}" if L["copied"] else ", not copied")
+            print(f"  {L['layer']:14s} store on {L['store_device']:7s} {where}")
+        if not args.compare:
+            print(rep.format(nodes=args.verbose))
+    if args.compare:
+        print(f"\n{'strategy':20s} {'slot-order copies':>18s} {'copies':>7s} {'bytes':>8s}")
+        for s in strategies:
+            sm = results[s][2]
+            print(f"{s:20s} {sm['slot_order_copies']:18d} {sm['copies']:7d} {sm['copy_bytes']:8d}")
+    return 0
+
+
+# -- reuse -----------------------------------------------------------------------------------
+def cmd_reuse(args):
+    from models.runner import ReuseMismatch
+    devices, model = _setup(args)
+    rng = np.random.default_rng(args.seed)
+    stream = [[int(x) for x in rng.integers(0, model.n_vocab, 6)]]
+    for i in range(args.steps):
+        stream.append([int(x) for x in rng.integers(0, model.n_vocab, 2 if i % 7 == 6 else 1)])
+    out, first_diff = {}, None
+    for mode in ("reuse", "rebuild", "validated"):
+        r = _runner(model, devices, args, reuse=mode != "rebuild", validate=mode == "validated", atomic=False)
+        times = []
+        try:
+            for toks in stream:
+                t0 = time.perf_counter()
+                r.decode_seq_tokens({0: toks})
+                times.append(time.perf_counter() - t0)
+        except ReuseMismatch as e:
+            first_diff = str(e)
+        exec_t = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            r.prev.sched.graph_compute(r.prev.gf)
+            exec_t.append(time.perf_counter() - t0)
+        host = max(float(np.median(times[1:])) - float(np.median(exec_t)), 0.0)
+        out[mode] = {"builds": r.stats.builds, "reuses": r.stats.reuses, "host_ms_per_step": host * 1e3,
+                     "step_ms": float(np.median(times[1:])) * 1e3}
+    res = {"model": args.model, "steps": len(stream), "builds": out["reuse"]["builds"],
+           "reuses": out["reuse"]["reuses"], "host_ms_per_step_reuse": out["reuse"]["host_ms_per_step"],
+           "host_ms_per_step_rebuild": out["rebuild"]["host_ms_per_step"],
+           "validator": "fail" if first_diff else "pass", "first_difference": first_diff, "modes": out}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{args.model}: {len(stream)} ubatches (decode steps, a 2-token step every 7th forces a new shape)")
+        print(f"{'mode':10s} {'builds':>7s} {'reuses':>7s} {'step ms':>8s} {'host ms':>8s}")
+        for m, v in out.items():
+            print(f"{m:10s} {v['builds']:7d} {v['reuses']:7d} {v['step_ms']:8.3f} {v['host_ms_per_step']:8.3f}")
+        print(f"validator: {res['validator']}" + (f" — {first_diff}" if first_diff else " (reuse on == fresh build, bit for bit)"))
+    return 0 if not first_diff else 1
+
+
+# -- check -----------------------------------------------------------------------------------
+def cmd_check(args):
+    import minigraph as mg
+    from minigraph.op_cases import CASES, compare, run_built
+    backends = []
+    for name in ("ref", "cpu", "cuda:0"):
+        try:
+            backends.append(mg.backend(name))
+        except Exception:
+            pass
+    oracle = None
+    try:
+        from minigraph import ggml_oracle
+        oracle = ggml_oracle
+    except Exception:
+        pass
+    cols = [b.name for b in backends] + (["ggml"] if oracle else [])
+    rows, n_fail = [], 0
+    ref = mg.backend("ref")
+    for case in CASES:
+        cells = []
+        for col in cols:
+            ok = True
+            for seed in range(args.seeds):
+                try:
+                    want = run_built(case.make(np.random.default_rng(seed)), ref)
+                    b = case.make(np.random.default_rng(seed))
+                    if col == "ggml":
+                        if not case.ggml:
+                            ok = None
+                            break
+                        got = oracle.run_in_ggml(b)
+                    else:
+                        got = run_built(b, mg.backend(col))
+                    if compare(case, b, got, want, nmse_limit=None if case.exact else max(case.nmse, 1e-10)) is not None:
+                        ok = False
+                except Exception:
+                    ok = False
+            cells.append(ok)
+            n_fail += ok is False
+        rows.append((case.id, cells))
+    if args.json:
+        print(json.dumps({"columns": cols, "rows": {cid: c for cid, c in rows}, "failed": n_fail}))
+    else:
+        w = max(len(cid) for cid, _ in rows)
+        print(f"{'case':{w}s}  " + "  ".join(f"{c:6s}" for c in cols))
+        mark = {True: "ok", False: "FAIL", None: "-"}
+        for cid, cells in rows:
+            print(f"{cid:{w}s}  " + "  ".join(f"{mark[c]:6s}" for c in cells))
+        print(f"{len(rows)} cases x {len(cols)} columns, {n_fail} failed")
+    return 0 if n_fail == 0 else 1
+
+
+# -- bench -----------------------------------------------------------------------------------
+def cmd_bench(args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = [os.path.join(root, "bench", n) for n in ("ops.py", "models.py", "reuse.py")]
+    scripts = [s for s in scripts if os.path.exists(s)]
+    if not scripts:
+        _fail("the benchmarks live in the source tree's bench/ folder; run from a checkout installed with pip install -e .", 1)
+    rc = 0
+    for s in scripts:
+        print(f"== {os.path.relpath(s, root)}", flush=True)
+        rc |= subprocess.call([sys.executable, s] + (["--quick"] if args.quick else []))
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="minigraph", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="decode a synthetic stream with speculative drafts and rollbacks")
+    _common(p)
+    p.add_argument("--draft", type=int, default=None, help="max draft length (default: n_rs_seq)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--reeval", action="store_true", help="on a refused rollback, re-evaluate from scratch instead of failing")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("placement", help="where each conv layer's slot order lives and what is copied")
+    _common(p)
+    p.add_argument("--compare", action="store_true", help="the three slot-order strategies side by side")
+    p.add_argument("--dot", default=None, help="write the scheduled graph as DOT")
+    p.add_argument("--png", default=None, help="write the scheduled graph as PNG")
+    p.add_argument("--verbose", action="store_true", help="also list every node's device and cause")
+    p.set_defaults(fn=cmd_placement)
+    p = sub.add_parser("reuse", help="graph reuse on, off and validated")
+    _common(p)
+    p.add_argument("--steps", type=int, default=30)
+    p.set_defaults(fn=cmd_reuse)
+    p = sub.add_parser("check", help="the op table on every available backend and real ggml")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("bench", help="the op, model and reuse benchmarks")
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(fn=cmd_bench)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except SystemExit:
+        raise
+    except Exception as e:            # one clear line, not a traceback
+        if os.environ.get("MINIGRAPH_TRACEBACK"):
+            raise
+        print(f"minigraph: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
