@@ -1,0 +1,186 @@
+"""The CPU backend: C kernels (backends/cpu/*.c) compiled at install time through cffi.
+
+`compute_nodes(nodes)` turns a node list into a plan once (an array of C node records: op
+code, data pointers and ne/nb of dst and sources, params), caches it by the identity of the
+node list and the memory bound to its tensors, and runs the whole plan in one C call with a
+team of worker threads that split each node and meet at a barrier between nodes."""
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+
+from minigraph.backend import HostBackend, is_compute_node, register_backend
+from minigraph.errors import OpError
+from minigraph.registry import OPS
+from minigraph.types import f16, f32, i32, i64
+
+try:
+    from ._kernels import ffi, lib
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    ffi = lib = None
+    _IMPORT_ERROR = e
+
+REBUILD_HINT = ("the CPU backend's C extension backends.cpu._kernels is not built or does not load "
+                "({err}); rebuild it with `pip install -e .` in the project root")
+
+# op name -> the C op code's name in backends/cpu/mg.h (one place per op); views compute nothing
+OP_CODES = {
+    "CPY": "MG_OP_CPY", "CONT": "MG_OP_CONT", "CONCAT": "MG_OP_CONCAT", "REPEAT": "MG_OP_REPEAT",
+    "GET_ROWS": "MG_OP_GET_ROWS", "SET_ROWS": "MG_OP_SET_ROWS", "ARANGE": "MG_OP_ARANGE",
+    "SILU": "MG_OP_SILU", "SIGMOID": "MG_OP_SIGMOID", "SOFTPLUS": "MG_OP_SOFTPLUS",
+    "EXP": "MG_OP_EXP", "NEG": "MG_OP_NEG", "SQRT": "MG_OP_SQRT",
+    "ADD": "MG_OP_ADD", "SUB": "MG_OP_SUB", "MUL": "MG_OP_MUL", "DIV": "MG_OP_DIV",
+    "SCALE": "MG_OP_SCALE",
+    "RMS_NORM": "MG_OP_RMS_NORM", "L2_NORM": "MG_OP_L2_NORM", "SUM_ROWS": "MG_OP_SUM_ROWS",
+    "MUL_MAT": "MG_OP_MUL_MAT",
+    "SSM_CONV": "MG_OP_SSM_CONV", "SSM_SCAN": "MG_OP_SSM_SCAN",
+    "GATED_DELTA_NET": "MG_OP_GATED_DELTA_NET",
+}
+
+_TYPE_CODES = {f32: 0, f16: 1, i32: 2, i64: 3}
+
+
+def _params(node, rec):
+    """Op params into the record's float/int slots (the C kernels read them by position)."""
+    p = node.params
+    op = node.op
+    if op == "SCALE":
+        rec.fp[0], rec.fp[1] = p["s"], p["b"]
+    elif op in ("RMS_NORM", "L2_NORM"):
+        rec.fp[0] = p["eps"]
+    elif op == "ARANGE":
+        rec.fp[0], rec.fp[1] = p["start"], p["step"]
+    elif op == "CONCAT":
+        rec.ip[0] = p["dim"]
+    elif op in ("SSM_SCAN", "GATED_DELTA_NET"):
+        rec.ip[0] = p["K"]
+
+
+class CpuPlan:
+    """A built plan: the C records plus what is needed to validate and report on it."""
+
+    def __init__(self, nodes, records, n, compute, roots, sig):
+        self.nodes = nodes          # the node list it was built from (identity is the key)
+        self.records = records      # cdata mg_node[n]
+        self.n = n
+        self.compute = compute      # the compute nodes, in record order
+        self.roots = roots          # root tensors whose memory the records point into
+        self.sig = sig              # (buffer id, offset) of each root when built
+        self.runs = 0
+
+
+class CpuBackend(HostBackend):
+    n_threads = os.cpu_count() or 1
+    max_plans = 32
+
+    def __init__(self, idx: int = 0):
+        if lib is None:
+            raise RuntimeError(REBUILD_HINT.format(err=_IMPORT_ERROR))
+        self.index = idx
+        self.name = f"cpu:{idx}"
+        self._addrs = weakref.WeakKeyDictionary()   # Buffer -> (cdata keeping mem alive, address)
+        self._plans: OrderedDict = OrderedDict()
+        self.plans_built = 0
+
+    def set_n_threads(self, n: int) -> "CpuBackend":
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n}")
+        self.n_threads = n
+        return self
+
+    # -- support ----------------------------------------------------------------------------
+    def supports_op(self, node) -> bool:
+        d = OPS.get(node.op)
+        if d is None:
+            return False
+        return d.is_view or node.op in OP_CODES
+
+    @staticmethod
+    def op_code(name: str) -> int:
+        return getattr(lib, OP_CODES[name])
+
+    # -- plans ------------------------------------------------------------------------------
+    def _address(self, buf) -> int:
+        entry = self._addrs.get(buf)
+        if entry is None:
+            cd = ffi.from_buffer(buf.mem)
+            entry = (cd, int(ffi.cast("uintptr_t", cd)))
+            self._addrs[buf] = entry
+        return entry[1]
+
+    def _fill(self, ct, t):
+        buf, offs = t.storage()
+        ct.data = ffi.cast("char *", self._address(buf) + offs)
+        ct.ne = list(t.ne)
+        ct.nb = list(t.nb)
+        ct.type = _TYPE_CODES[t.type]
+
+    @staticmethod
+    def _signature(roots) -> tuple:
+        return tuple((r.buffer.id if r.buffer is not None else -1, r.offs) for r in roots)
+
+    def build_plan(self, nodes) -> CpuPlan:
+        """Translate ``nodes`` into C node records (once per node list and memory binding)."""
+        compute = [n for n in nodes if is_compute_node(n)]
+        records = ffi.new("mg_node[]", max(len(compute), 1))
+        roots = {}
+        for i, node in enumerate(compute):
+            rec = records[i]
+            rec.op = self.op_code(node.op)
+            self._fill(rec.dst, node)
+            roots[node.root().id] = node.root()
+            names = OPS[node.op].srcs
+            rec.n_src = len(names)
+            for j, name in enumerate(names):
+                s = node.srcs.get(name)
+                if s is not None:
+                    self._fill(rec.src[j], s)
+                    roots[s.root().id] = s.root()
+            _params(node, rec)
+        roots = list(roots.values())
+        self.plans_built += 1
+        return CpuPlan(nodes, records, len(compute), compute, roots, self._signature(roots))
+
+    def run_plan(self, plan: CpuPlan):
+        """Execute every record of ``plan`` in one call into C."""
+        err = ffi.new("mg_error *")
+        rc = lib.mg_plan_run(plan.records, plan.n, int(self.n_threads), err)
+        plan.runs += 1
+        if rc != 0:
+            self._raise(plan, err)
+
+    def _raise(self, plan: CpuPlan, err):
+        node = plan.compute[err.node] if 0 <= err.node < len(plan.compute) else None
+        if err.code == lib.MG_ERR_INDEX and node is not None:
+            idx = node.srcs[OPS[node.op].srcs[err.src]]
+            raise OpError(f"{node.op} {node.label}: index {err.value} in {idx.label} "
+                          f"is out of range [0, {err.limit})")
+        what = f"{node.op} {node.label}" if node is not None else f"node record {err.node}"
+        raise OpError(f"{what}: backend {self.name} failed (code {err.code}, value {err.value})")
+
+    def get_plan(self, nodes) -> CpuPlan:
+        key = (id(nodes), len(nodes))
+        plan = self._plans.get(key)
+        if plan is not None and plan.nodes is nodes and plan.sig == self._signature(plan.roots):
+            self._plans.move_to_end(key)
+            return plan
+        plan = self.build_plan(nodes)
+        self._plans[key] = plan
+        while len(self._plans) > self.max_plans:
+            self._plans.popitem(last=False)
+        return plan
+
+    def compute_nodes(self, nodes):
+        self.run_plan(self.get_plan(nodes))
+
+
+def _factory(idx: int) -> CpuBackend:
+    return CpuBackend(idx)
+
+
+register_backend("cpu", _factory)
+
+__all__ = ["CpuBackend", "CpuPlan", "OP_CODES"]

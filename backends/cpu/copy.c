@@ -1,0 +1,212 @@
+/* Copies that move data: CPY (with type conversion) / CONT, CONCAT, REPEAT. */
+#include <stdlib.h>
+#include "mg.h"
+
+#define CONV_LOOP(DT, ST, EXPR)                                                      \
+    do {                                                                             \
+        if (dnb == (int64_t)sizeof(DT) && snb == (int64_t)sizeof(ST)) {              \
+            DT *d_ = (DT *)dst; const ST *s_ = (const ST *)src;                      \
+            for (int64_t i = 0; i < n; i++) { ST x = s_[i]; d_[i] = (EXPR); }        \
+        } else {                                                                     \
+            for (int64_t i = 0; i < n; i++) {                                        \
+                ST x; DT y;                                                          \
+                memcpy(&x, src + i * snb, sizeof(ST));                               \
+                y = (EXPR);                                                          \
+                memcpy(dst + i * dnb, &y, sizeof(DT));                               \
+            }                                                                        \
+        }                                                                            \
+    } while (0)
+
+/* dst: n elements of type dt at stride dnb; src: n elements of type st at stride snb */
+void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n) {
+    if (dt == st) {
+        int es = mg_type_size(dt);
+        if (dnb == es && snb == es) { memcpy(dst, src, (size_t)(n * es)); return; }
+        switch (es) {
+            case 2: CONV_LOOP(uint16_t, uint16_t, x); return;
+            case 8: CONV_LOOP(uint64_t, uint64_t, x); return;
+            default: CONV_LOOP(uint32_t, uint32_t, x); return;
+        }
+    }
+    if (st == MG_F32 && dt == MG_F16) {
+#if defined(__F16C__) && defined(__AVX__)
+        if (dnb == 2 && snb == 4) {
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                __m256 v = _mm256_loadu_ps((const float *)src + i);
+                _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+            }
+            for (; i < n; i++) ((uint16_t *)dst)[i] = mg_fp32_to_fp16(((const float *)src)[i]);
+            return;
+        }
+#endif
+        CONV_LOOP(uint16_t, float, mg_fp32_to_fp16(x)); return;
+    }
+    if (st == MG_F16 && dt == MG_F32) {
+#if defined(__F16C__) && defined(__AVX__)
+        if (dnb == 4 && snb == 2) {
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + i));
+                _mm256_storeu_ps((float *)dst + i, _mm256_cvtph_ps(h));
+            }
+            for (; i < n; i++) ((float *)dst)[i] = mg_fp16_to_fp32(((const uint16_t *)src)[i]);
+            return;
+        }
+#endif
+        CONV_LOOP(float, uint16_t, mg_fp16_to_fp32(x)); return;
+    }
+    if (st == MG_F32 && dt == MG_I32) { CONV_LOOP(int32_t, float, mg_f_to_i32((double)x)); return; }
+    if (st == MG_I32 && dt == MG_F32) { CONV_LOOP(float, int32_t, (float)x); return; }
+    if (st == MG_F16 && dt == MG_I32) { CONV_LOOP(int32_t, uint16_t, mg_f_to_i32((double)mg_fp16_to_fp32(x))); return; }
+    /* int32 -> f32 is exact below 2^24 and beyond 65520 both roundings give inf: one rounding */
+    if (st == MG_I32 && dt == MG_F16) { CONV_LOOP(uint16_t, int32_t, mg_fp32_to_fp16((float)x)); return; }
+    /* other pairs are refused by the shape rule; leave dst untouched */
+}
+
+/* 2-D blocked transpose for one plane: dst rows dense along dim 0, src dense along dim 1.
+ * dst: [ne0, ne1] at (es, dnb1); src: [ne0, ne1] at (snb0, es) */
+static void transpose_plane(char *dst, int64_t dnb1, const char *src, int64_t snb0,
+                            int64_t ne0, int64_t i1a, int64_t i1b, int es) {
+    const int64_t B = 32;
+    for (int64_t j0 = i1a; j0 < i1b; j0 += B) {
+        int64_t j1 = mg_min64(j0 + B, i1b);
+        for (int64_t k0 = 0; k0 < ne0; k0 += B) {
+            int64_t k1 = mg_min64(k0 + B, ne0);
+            if (es == 4) {
+                for (int64_t j = j0; j < j1; j++) {
+                    uint32_t *d = (uint32_t *)(dst + j * dnb1);
+                    for (int64_t k = k0; k < k1; k++) memcpy(&d[k], src + k * snb0 + j * 4, 4);
+                }
+            } else {
+                for (int64_t j = j0; j < j1; j++)
+                    for (int64_t k = k0; k < k1; k++)
+                        memcpy(dst + j * dnb1 + k * es, src + k * snb0 + j * es, (size_t)es);
+            }
+        }
+    }
+}
+
+/* CPY / CONT: src[0] a (any strides) -> dst (any strides), same element count, copied in
+ * logical (flattened ggml) order with type conversion.
+ *   a:   [ne00, ne01, ne02, ne03]
+ *   dst: [ne0,  ne1,  ne2,  ne3 ] */
+void mg_k_cpy(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *d = &n->dst;
+    const int st = a->type, dt = d->type;
+    const int64_t nel = mg_nelements(d);
+    const int same_shape = a->ne[0] == d->ne[0] && a->ne[1] == d->ne[1] && a->ne[2] == d->ne[2] && a->ne[3] == d->ne[3];
+
+    if (mg_is_contiguous(a) && mg_is_contiguous(d)) {
+        /* one flat range, split across threads */
+        int64_t r0, r1;
+        const int64_t chunk = 4096;
+        mg_split((nel + chunk - 1) / chunk, ith, nth, &r0, &r1);
+        int64_t e0 = r0 * chunk, e1 = mg_min64(r1 * chunk, nel);
+        if (e1 > e0)
+            mg_convert_row(d->data + e0 * mg_type_size(dt), mg_type_size(dt),
+                           dt, a->data + e0 * mg_type_size(st), mg_type_size(st), st, e1 - e0);
+        return;
+    }
+    if (same_shape) {
+        const int es = mg_type_size(dt);
+        /* transposed source (dense along dim 1), same type, dst rows dense: blocked transpose */
+        if (st == dt && a->ne[1] > 1 && a->ne[0] > 1 && a->nb[1] == es && d->nb[0] == es) {
+            const int64_t planes = a->ne[2] * a->ne[3];
+            const int64_t B = 32;
+            const int64_t nblk = (a->ne[1] + B - 1) / B;
+            int64_t r0, r1;
+            mg_split(planes * nblk, ith, nth, &r0, &r1);
+            for (int64_t r = r0; r < r1; r++) {
+                int64_t p = r / nblk, blk = r % nblk;
+                int64_t i2 = p % a->ne[2], i3 = p / a->ne[2];
+                transpose_plane(mg_ptr(d, 0, 0, i2, i3), d->nb[1], mg_ptr(a, 0, 0, i2, i3), a->nb[0],
+                                a->ne[0], blk * B, mg_min64((blk + 1) * B, a->ne[1]), es);
+            }
+            return;
+        }
+        /* row by row */
+        int64_t r0, r1;
+        mg_split(mg_nrows(d), ith, nth, &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t i1, i2, i3;
+            mg_row_coords(d, r, &i1, &i2, &i3);
+            mg_convert_row(mg_ptr(d, 0, i1, i2, i3), d->nb[0], dt, mg_ptr(a, 0, i1, i2, i3), a->nb[0], st, d->ne[0]);
+        }
+        return;
+    }
+    /* general: walk the source rows; the destination coordinates follow the flat index */
+    int64_t r0, r1;
+    mg_split(mg_nrows(a), ith, nth, &r0, &r1);
+    if (r0 >= r1) return;
+    const int64_t ne00 = a->ne[0];
+    int64_t flat = r0 * ne00;
+    int64_t c0 = flat % d->ne[0], q = flat / d->ne[0];
+    int64_t c1 = q % d->ne[1];  q /= d->ne[1];
+    int64_t c2 = q % d->ne[2];
+    int64_t c3 = q / d->ne[2];
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i1, i2, i3;
+        mg_row_coords(a, r, &i1, &i2, &i3);
+        const char *srow = mg_ptr(a, 0, i1, i2, i3);
+        int64_t i0 = 0;
+        while (i0 < ne00) {
+            /* the longest run that stays within one destination row */
+            int64_t run = mg_min64(ne00 - i0, d->ne[0] - c0);
+            mg_convert_row(mg_ptr(d, c0, c1, c2, c3), d->nb[0], dt, srow + i0 * a->nb[0], a->nb[0], st, run);
+            i0 += run;
+            c0 += run;
+            if (c0 == d->ne[0]) {
+                c0 = 0;
+                if (++c1 == d->ne[1]) {
+                    c1 = 0;
+                    if (++c2 == d->ne[2]) { c2 = 0; ++c3; }
+                }
+            }
+        }
+    }
+}
+
+/* CONCAT along ip[0]: a [ne00..] and b [ne10..], any strides, same type -> dst contiguous */
+void mg_k_concat(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *b = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    const int dim = (int)n->ip[0];
+    const int t = d->type;
+    int64_t r0, r1;
+    mg_split(mg_nrows(d), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i[4];
+        mg_row_coords(d, r, &i[1], &i[2], &i[3]);
+        char *drow = mg_ptr(d, 0, i[1], i[2], i[3]);
+        if (dim == 0) {
+            mg_convert_row(drow, d->nb[0], t, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], t, a->ne[0]);
+            mg_convert_row(drow + a->ne[0] * d->nb[0], d->nb[0], t, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], t, b->ne[0]);
+        } else if (i[dim] < a->ne[dim]) {
+            mg_convert_row(drow, d->nb[0], t, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], t, d->ne[0]);
+        } else {
+            i[dim] -= a->ne[dim];
+            mg_convert_row(drow, d->nb[0], t, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], t, d->ne[0]);
+        }
+    }
+}
+
+/* REPEAT: dst[i] = a[i mod a.ne]; a [ne00..] any strides -> dst contiguous */
+void mg_k_repeat(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *d = &n->dst;
+    const int t = d->type;
+    if (mg_nelements(a) <= 0) return;
+    int64_t r0, r1;
+    mg_split(mg_nrows(d), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i1, i2, i3;
+        mg_row_coords(d, r, &i1, &i2, &i3);
+        char *drow = mg_ptr(d, 0, i1, i2, i3);
+        const char *srow = mg_ptr(a, 0, i1 % a->ne[1], i2 % a->ne[2], i3 % a->ne[3]);
+        for (int64_t k = 0; k < d->ne[0]; k += a->ne[0])
+            mg_convert_row(drow + k * d->nb[0], d->nb[0], t, srow, a->nb[0], t, mg_min64(a->ne[0], d->ne[0] - k));
+    }
+}

@@ -1,0 +1,102 @@
+/* Index ops: GET_ROWS, SET_ROWS (write-through into the destination), ARANGE.
+ * Every index is checked (mg_check_*) before the node writes anything. */
+#include "mg.h"
+
+static inline int64_t load_index(const char *p, int type) {
+    if (type == MG_I64) { int64_t v; memcpy(&v, p, 8); return v; }
+    int32_t v; memcpy(&v, p, 4); return v;
+}
+
+/* first index of idx (flat ggml order) outside [0, limit), or 0 when all are fine */
+static int check_all(const mg_tensor *idx, int64_t limit, int slot, mg_error *err) {
+    for (int64_t i3 = 0; i3 < idx->ne[3]; i3++)
+    for (int64_t i2 = 0; i2 < idx->ne[2]; i2++)
+    for (int64_t i1 = 0; i1 < idx->ne[1]; i1++)
+    for (int64_t i0 = 0; i0 < idx->ne[0]; i0++) {
+        int64_t v = load_index(mg_ptr(idx, i0, i1, i2, i3), idx->type);
+        if (v < 0 || v >= limit) {
+            err->code = MG_ERR_INDEX;
+            err->src = slot;
+            err->value = v;
+            err->limit = limit;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* GET_ROWS: a = src[0] [ne0, n_rows, ne2, ne3] (any strides), b = src[1] i32 [n_get, ne2, ne3] */
+int mg_check_get_rows(const mg_node *n, mg_error *err) {
+    return check_all(&n->src[1], n->src[0].ne[1], 1, err);
+}
+
+/* dst [ne0, n_get, ne2, ne3] contiguous, f32 (from f32/f16) or i32 */
+void mg_k_get_rows(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *b = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    int64_t r0, r1;
+    mg_split(mg_nrows(d), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i, j, k;
+        mg_row_coords(d, r, &i, &j, &k);
+        int64_t row = load_index(mg_ptr(b, i, j, k, 0), b->type);
+        mg_convert_row(mg_ptr(d, 0, i, j, k), d->nb[0], d->type, mg_ptr(a, 0, row, j, k), a->nb[0], a->type, d->ne[0]);
+    }
+}
+
+/* SET_ROWS: src[0] = b rows [ne0, n_set, ne2, ne3] f32/f16 (rows dense),
+ *           src[1] = c indices i32/i64 [n_set, c1, c2] broadcast modulo over dims 2/3,
+ *           src[2] = a the destination (same memory as dst) [ne0, n_rows, ne2, ne3] */
+int mg_check_set_rows(const mg_node *n, mg_error *err) {
+    return check_all(&n->src[1], n->dst.ne[1], 1, err);
+}
+
+void mg_k_set_rows(const mg_node *n, int ith, int nth) {
+    const mg_tensor *b = &n->src[0];
+    const mg_tensor *c = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    if (c->ne[1] <= 0 || c->ne[2] <= 0) return;
+    const int64_t ne0 = b->ne[0];
+    const int same_f32 = b->type == MG_F32 && d->type == MG_F32 && (ne0 == 1 || (b->nb[0] == 4 && d->nb[0] == 4));
+    int64_t r0, r1;
+    mg_split(mg_nrows(b), ith, nth, &r0, &r1);
+    if (r0 >= r1) return;
+    int64_t i1, i2, i3;
+    mg_row_coords(b, r0, &i1, &i2, &i3);
+    int64_t j2 = i2 % c->ne[1], j3 = i3 % c->ne[2];   /* broadcast coordinates in c, kept incrementally */
+    for (int64_t r = r0; r < r1; r++) {
+        const char *cp = mg_ptr(c, i1, j2, j3, 0);
+        const int64_t row = c->type == MG_I64 ? *(const int64_t *)cp : *(const int32_t *)cp;
+        char *dst = mg_ptr(d, 0, row, i2, i3);          /* [ne0] */
+        const char *src = mg_ptr(b, 0, i1, i2, i3);     /* [ne0] */
+        if (same_f32) {
+            float *dr = (float *)dst;
+            const float *sr = (const float *)src;
+            for (int64_t k = 0; k < ne0; k++) dr[k] = sr[k];
+        } else {
+            mg_convert_row(dst, d->nb[0], d->type, src, b->nb[0], b->type, ne0);
+        }
+        if (++i1 == b->ne[1]) {
+            i1 = 0;
+            if (++j2 == c->ne[1]) j2 = 0;
+            if (++i2 == b->ne[2]) {
+                i2 = 0; j2 = 0;
+                ++i3;
+                if (++j3 == c->ne[2]) j3 = 0;
+            }
+        }
+    }
+}
+
+/* ARANGE: dst f32 [n]: start + step * i, rounded after the product and after the sum */
+void mg_k_arange(const mg_node *n, int ith, int nth) {
+    const mg_tensor *d = &n->dst;
+    const float start = n->fp[0], step = n->fp[1];
+    int64_t r0, r1;
+    mg_split(d->ne[0], ith, nth, &r0, &r1);
+    for (int64_t i = r0; i < r1; i++) {
+        volatile float p = step * (float)i;   /* two roundings, as NumPy does */
+        mg_store_f32(d->data + i * d->nb[0], start + p);
+    }
+}

@@ -1,0 +1,199 @@
+/* minigraph CPU kernels: shared declarations.
+ *
+ * Layout conventions are ggml's: ne[4] element counts and nb[4] byte strides, dim 0 fastest.
+ * Shape comments on pointers list extents in ggml order, e.g. [ne0, ne1, ne2, ne3]. */
+#ifndef MG_H
+#define MG_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define MG_MAX_SRC 7
+
+enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3 };
+
+enum mg_op {
+    MG_OP_NONE = 0,
+    MG_OP_CPY, MG_OP_CONT, MG_OP_CONCAT, MG_OP_REPEAT,
+    MG_OP_GET_ROWS, MG_OP_SET_ROWS, MG_OP_ARANGE,
+    MG_OP_SILU, MG_OP_SIGMOID, MG_OP_SOFTPLUS, MG_OP_EXP, MG_OP_NEG, MG_OP_SQRT,
+    MG_OP_ADD, MG_OP_SUB, MG_OP_MUL, MG_OP_DIV, MG_OP_SCALE,
+    MG_OP_RMS_NORM, MG_OP_L2_NORM, MG_OP_SUM_ROWS,
+    MG_OP_MUL_MAT,
+    MG_OP_SSM_CONV, MG_OP_SSM_SCAN, MG_OP_GATED_DELTA_NET,
+    MG_OP_COUNT
+};
+
+enum mg_status { MG_OK = 0, MG_ERR_INDEX = 1, MG_ERR_OP = 2 };
+
+typedef struct mg_tensor {
+    char    *data;      /* element [0,0,0,0]; NULL for an absent source */
+    int64_t  ne[4];     /* extents, dim 0 fastest */
+    int64_t  nb[4];     /* strides in bytes */
+    int32_t  type;      /* enum mg_type */
+    int32_t  pad;
+} mg_tensor;
+
+typedef struct mg_node {
+    int32_t   op;               /* enum mg_op */
+    int32_t   n_src;
+    mg_tensor dst;
+    mg_tensor src[MG_MAX_SRC];  /* in the registry's source order */
+    float     fp[4];            /* float params (scale s/b, eps, arange start/step) */
+    int64_t   ip[4];            /* int params (concat dim, K) */
+} mg_node;
+
+typedef struct mg_error {
+    int32_t code;    /* enum mg_status */
+    int32_t node;    /* index of the failing record in the plan */
+    int32_t src;     /* source slot that holds the bad index */
+    int32_t pad;
+    int64_t value;   /* the bad index */
+    int64_t limit;   /* valid range is [0, limit) */
+} mg_error;
+
+int mg_plan_run(const mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
+int mg_max_threads(void);
+uint16_t mg_f32_to_f16(float x);
+float mg_f16_to_f32(uint16_t h);
+
+/* ---- kernels: each thread ith of nth does its share of one node ---- */
+void mg_k_cpy(const mg_node *n, int ith, int nth);          /* CPY and CONT */
+void mg_k_concat(const mg_node *n, int ith, int nth);
+void mg_k_repeat(const mg_node *n, int ith, int nth);
+void mg_k_get_rows(const mg_node *n, int ith, int nth);
+void mg_k_set_rows(const mg_node *n, int ith, int nth);
+void mg_k_arange(const mg_node *n, int ith, int nth);
+void mg_k_unary(const mg_node *n, int ith, int nth);
+void mg_k_binary(const mg_node *n, int ith, int nth);
+void mg_k_scale(const mg_node *n, int ith, int nth);
+void mg_k_reduce(const mg_node *n, int ith, int nth);       /* RMS_NORM, L2_NORM, SUM_ROWS */
+void mg_k_mul_mat(const mg_node *n, int ith, int nth);
+void mg_k_ssm_conv(const mg_node *n, int ith, int nth);
+void mg_k_ssm_scan(const mg_node *n, int ith, int nth);
+void mg_k_gated_delta_net(const mg_node *n, int ith, int nth);
+
+/* index checks: pure, run before any write of the node; return nonzero and fill err */
+int mg_check_get_rows(const mg_node *n, mg_error *err);
+int mg_check_set_rows(const mg_node *n, mg_error *err);
+int mg_check_ssm_scan(const mg_node *n, mg_error *err);
+
+/* ---- helpers ---- */
+static inline int64_t mg_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t mg_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline int mg_type_size(int type) {
+    switch (type) {
+        case MG_F16: return 2;
+        case MG_I64: return 8;
+        default:     return 4;
+    }
+}
+
+static inline int64_t mg_nelements(const mg_tensor *t) {
+    return t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
+}
+
+static inline int64_t mg_nrows(const mg_tensor *t) {
+    return t->ne[1] * t->ne[2] * t->ne[3];
+}
+
+/* same rule as Tensor.is_contiguous: unit dims are skipped */
+static inline int mg_is_contiguous(const mg_tensor *t) {
+    int64_t next = mg_type_size(t->type);
+    for (int i = 0; i < 4; i++) {
+        if (t->ne[i] != 1) {
+            if (t->nb[i] != next) return 0;
+            next *= t->ne[i];
+        }
+    }
+    return 1;
+}
+
+static inline int mg_rows_contiguous(const mg_tensor *t) {
+    return t->ne[0] == 1 || t->nb[0] == mg_type_size(t->type);
+}
+
+/* the share [*r0, *r1) of n work items for thread ith of nth */
+static inline void mg_split(int64_t n, int ith, int nth, int64_t *r0, int64_t *r1) {
+    int64_t per = (n + nth - 1) / nth;
+    int64_t a = per * ith;
+    *r0 = a < n ? a : n;
+    *r1 = mg_min64(a + per, n);
+}
+
+/* row r (flat over dims 1..3) -> (i1, i2, i3) */
+static inline void mg_row_coords(const mg_tensor *t, int64_t r, int64_t *i1, int64_t *i2, int64_t *i3) {
+    *i1 = r % t->ne[1];
+    r /= t->ne[1];
+    *i2 = r % t->ne[2];
+    *i3 = r / t->ne[2];
+}
+
+static inline char *mg_ptr(const mg_tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+
+static inline float mg_load_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
+static inline void mg_store_f32(char *p, float v) { memcpy(p, &v, 4); }
+
+/* f16 <-> f32, round to nearest even like NumPy's float16 cast */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline uint16_t mg_fp32_to_fp16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+static inline float mg_fp16_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline uint32_t mg_f_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float mg_bits_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t mg_fp32_to_fp16(float fin) {
+    /* round-to-nearest-even through the FPU for subnormals, integer rounding for normals */
+    uint32_t f = mg_f_bits(fin);
+    uint32_t sign = f & 0x80000000u;
+    uint16_t o;
+    f ^= sign;
+    if (f >= (uint32_t)(127 + 16) << 23) {            /* >= 65536, inf or nan */
+        o = f > 0x7f800000u ? (uint16_t)(0x7e00u | ((f >> 13) & 0x3ffu)) : 0x7c00u;
+    } else if (f < (uint32_t)113 << 23) {             /* below 2^-14: half subnormal or zero */
+        const uint32_t magic = (uint32_t)((127 - 15) + (23 - 10) + 1) << 23;  /* 0.5 */
+        float ff = mg_bits_f(f) + mg_bits_f(magic);
+        o = (uint16_t)(mg_f_bits(ff) - magic);
+    } else {
+        uint32_t odd = (f >> 13) & 1u;
+        f += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        f += odd;
+        o = (uint16_t)(f >> 13);                      /* may carry into inf: correct */
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+static inline float mg_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {                                      /* subnormal: man * 2^-24, exact */
+            float v = (float)man * 5.9604644775390625e-08f;
+            return sign ? -v : v;
+        }
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return mg_bits_f(u);
+}
+#endif
+
+/* float -> int32 as NumPy does on x86 (trunc toward zero; out of range and NaN -> INT32_MIN) */
+static inline int32_t mg_f_to_i32(double x) {
+    if (x >= -2147483648.0 && x < 2147483648.0) return (int32_t)x;
+    return INT32_MIN;
+}
+
+/* convert (or copy) n elements between strided rows; dst/src strides in bytes */
+void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
+
+#endif

@@ -1,0 +1,51 @@
+/* Row reductions over dim 0, summed in double as ggml's CPU does: RMS_NORM, L2_NORM, SUM_ROWS.
+ * a = src[0] [ne0, ne1, ne2, ne3] f32 with dense rows; dst f32 contiguous. */
+#include "mg.h"
+
+static double sum_sq(const float *x, int64_t n) {  /* x: [n] */
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)x[i] * x[i];
+        s1 += (double)x[i + 1] * x[i + 1];
+        s2 += (double)x[i + 2] * x[i + 2];
+        s3 += (double)x[i + 3] * x[i + 3];
+    }
+    for (; i < n; i++) s0 += (double)x[i] * x[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+static double sum(const float *x, int64_t n) {  /* x: [n] */
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) { s0 += x[i]; s1 += x[i + 1]; s2 += x[i + 2]; s3 += x[i + 3]; }
+    for (; i < n; i++) s0 += x[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+void mg_k_reduce(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *d = &n->dst;
+    const int64_t ne0 = a->ne[0];
+    const float eps = n->fp[0];
+    int64_t r0, r1;
+    mg_split(mg_nrows(a), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i1, i2, i3;
+        mg_row_coords(a, r, &i1, &i2, &i3);
+        const float *x = (const float *)mg_ptr(a, 0, i1, i2, i3);  /* [ne0] */
+        float *y = (float *)mg_ptr(d, 0, i1, i2, i3);              /* [ne0] or [1] for SUM_ROWS */
+        if (n->op == MG_OP_SUM_ROWS) {
+            y[0] = (float)sum(x, ne0);
+        } else if (n->op == MG_OP_RMS_NORM) {
+            const float mean = (float)(sum_sq(x, ne0) / (double)ne0);
+            const float scale = 1.0f / sqrtf(mean + eps);
+            for (int64_t i = 0; i < ne0; i++) y[i] = x[i] * scale;
+        } else {  /* L2_NORM */
+            const float ss = (float)sum_sq(x, ne0);
+            const float nrm = sqrtf(ss);
+            const float scale = 1.0f / (nrm < eps ? eps : nrm);   /* NaN propagates like np.maximum */
+            for (int64_t i = 0; i < ne0; i++) y[i] = x[i] * scale;
+        }
+    }
+}

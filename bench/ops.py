@@ -1,0 +1,293 @@
+"""Op benchmarks: minigraph's cpu backend against NumPy and real ggml (libggml-python), measured
+in the same process, alternating, medians of repetitions.
+
+    python bench/ops.py            # full run
+    python bench/ops.py --quick    # under two minutes
+
+Prints one line per (op, shape, threads) with times and the ratios ggml/minigraph and
+numpy/minigraph (> 1: minigraph is faster); the last line is the smallest ggml/minigraph ratio.
+minigraph is timed through `backend.graph_compute(gf)` on a graph whose plan is cached (the
+Python entry cost included); ggml through `ggml_graph_compute` on a prebuilt graph and cplan with
+a persistent threadpool; NumPy as one idiomatic expression (BLAS threading is its own).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import minigraph as mg                                    # noqa: E402
+from minigraph.graph import Graph                         # noqa: E402
+from minigraph.op_cases import Built                      # noqa: E402
+from minigraph.tensor import Context                      # noqa: E402
+from backends.cpu import CpuBackend                       # noqa: E402
+
+try:
+    import minigraph.ggml_oracle as go                    # noqa: E402
+    go.ffi.cdef("""
+        struct ggml_threadpool_params { bool cpumask[512]; int n_threads; int prio; uint32_t poll;
+                                        bool strict_cpu; bool paused; };
+        struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+        void * ggml_threadpool_new(struct ggml_threadpool_params * params);
+        void ggml_threadpool_free(void * threadpool);
+        void ggml_threadpool_pause(void * threadpool);
+        void ggml_threadpool_resume(void * threadpool);
+    """)
+    GGML_ERROR = None
+except Exception as e:  # pragma: no cover - ggml is optional here
+    go = None
+    GGML_ERROR = e
+
+
+# -- the cases: name, shape label, builder (rng, Built) -> out tensor, numpy fn(data) -> result --
+
+def ssm_conv_case(d_inner, n_t, n_s, d_conv=4):
+    def build(rng, b):
+        x = b.leaf(mg.f32, (d_conv - 1 + n_t, d_inner, n_s), rng=rng)
+        c = b.leaf(mg.f32, (d_conv, d_inner), rng=rng)
+        return mg.ssm_conv(x, c)
+
+    def numpy_fn(arrs):
+        x = arrs[0].reshape(n_s, d_inner, d_conv - 1 + n_t)
+        c = arrs[1].reshape(d_inner, d_conv)
+        acc = np.zeros((n_s, d_inner, n_t), np.float32)
+        for k in range(d_conv):
+            acc += x[:, :, k:k + n_t] * c[:, k:k + 1]
+        return np.ascontiguousarray(acc.transpose(0, 2, 1))
+    return "SSM_CONV", f"d_inner={d_inner} n_t={n_t} n_s={n_s}", build, numpy_fn
+
+
+def conv_store_case(n_t, n_cols=3, K=4, ch=4096, n_seqs=4):
+    """seed 000's conv-state store: Kw overlapping windows into permuted rollback slots."""
+    mem = n_seqs + 1
+    kw = min(n_t, K)
+
+    def build(rng, b):
+        s = b.leaf(mg.f32, (n_cols * ch, mem * K), rng=rng)
+        x = b.leaf(mg.f32, (n_cols + n_t, ch, n_seqs), rng=rng)
+        order = b.leaf(mg.i32, (kw,), data=np.arange(kw)[::-1])
+        windows = mg.view_4d(x, n_cols, kw, ch, n_seqs, 4, x.nb[1], x.nb[2], (n_t - kw + 1) * 4)
+        slots = mg.view_4d(s, n_cols, K, ch, n_seqs, mem * s.nb[1], n_cols * 4, s.nb[1], s.nb[1])
+        return mg.set_rows(slots, windows, order)
+
+    def numpy_fn(arrs):
+        s = arrs[0].reshape(mem * K, n_cols * ch)
+        x = arrs[1].reshape(n_seqs, ch, n_cols + n_t)
+        order = arrs[2].reshape(-1)
+        s4 = s.reshape(K, mem, ch, n_cols)
+        for j, slot in enumerate(order):
+            start = n_t - kw + j
+            s4[slot, 1:1 + n_seqs] = x[:, :, start:start + n_cols]
+        return s
+    return "SET_ROWS", f"conv store n_cols={n_cols} K={K} ch={ch} n_seqs={n_seqs} n_t={n_t}", build, numpy_fn
+
+
+def concat_case(n_t, n_hist=3, ch=4096, n_seqs=4):
+    def build(rng, b):
+        return mg.concat(b.leaf(mg.f32, (n_hist, ch, n_seqs), rng=rng), b.leaf(mg.f32, (n_t, ch, n_seqs), rng=rng), 0)
+
+    def numpy_fn(arrs):
+        return np.concatenate([a.reshape(n_seqs, ch, -1) for a in arrs], axis=-1)
+    return "CONCAT", f"dim0 [{n_hist}+{n_t}, {ch}, {n_seqs}]", build, numpy_fn
+
+
+def cont_t_case(n0=4096, n1=512):
+    def build(rng, b):
+        return mg.cont(mg.transpose(b.leaf(mg.f32, (n0, n1), rng=rng)))
+
+    def numpy_fn(arrs):
+        return np.ascontiguousarray(arrs[0].reshape(n1, n0).T)
+    return "CONT", f"transposed {n0}x{n1}", build, numpy_fn
+
+
+def mul_mat_case(n, k=4096, m=4096):
+    def build(rng, b):
+        return mg.mul_mat(b.leaf(mg.f32, (k, m), rng=rng), b.leaf(mg.f32, (k, n), rng=rng))
+
+    def numpy_fn(arrs):
+        a, x = arrs[0].reshape(m, k), arrs[1].reshape(n, k)
+        return x @ a.T
+    return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn
+
+
+def all_cases(quick):
+    cases = []
+    for n_t in (1, 8, 512):
+        for n_s in (1, 4):
+            cases.append(ssm_conv_case(4096, n_t, n_s))
+    cases.append(conv_store_case(4))
+    cases.append(concat_case(8))
+    cases.append(concat_case(512))
+    cases.append(cont_t_case())
+    for n in (1, 8, 512):
+        cases.append(mul_mat_case(n))
+    return cases
+
+
+# -- runners ------------------------------------------------------------------------------------
+
+class MgRunner:
+    def __init__(self, build, n_threads):
+        self.b = Built(Context())
+        self.out = build(np.random.default_rng(0), self.b)
+        self.out.set_output()
+        self.be = CpuBackend(100 + n_threads).set_n_threads(n_threads)
+        mg.alloc_ctx_tensors(self.b.ctx, self.be)
+        for t, arr in self.b.data.items():
+            t.set(arr)
+        self.gf = Graph().build_forward_expand(self.out)
+        self.be.graph_compute(self.gf)   # builds and caches the plan
+
+    def __call__(self):
+        self.be.graph_compute(self.gf)
+
+    def result(self):
+        return self.out.numpy()
+
+
+class GgmlRunner:
+    """run_in_ggml's graph build, kept alive so that only ggml_graph_compute is timed."""
+
+    def __init__(self, mg_runner: MgRunner, n_threads):
+        lib, ffi = go.lib, go.ffi
+        b = mg_runner.b
+        gf = Graph()
+        for o in b.outs + [mg_runner.out]:
+            gf.build_forward_expand(o)
+        for node in gf.nodes:
+            if node.op in go._CHECKS:
+                go._CHECKS[node.op](node, b)
+        tensors = gf.leafs + gf.nodes
+        size = max(64, 2 * len(tensors))
+        mem = (lib.ggml_graph_overhead_custom(size, False) + (1 << 20)
+               + sum(lib.ggml_tensor_overhead() + t.nelements() * t.type.size + 64 for t in tensors))
+        self.ctx = lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": False})
+        g = {}
+        for leaf in gf.leafs:
+            t = g[leaf] = lib.ggml_new_tensor(self.ctx, leaf.type.ggml_id, 4, leaf.ne)
+            data = np.ascontiguousarray(b.data[leaf], dtype=leaf.type.np_dtype)
+            ffi.memmove(t.data, data.tobytes(), data.nbytes)
+        for node in gf.nodes:
+            g[node] = go._TRANSLATE[node.op](self.ctx, node, lambda name, node=node: g[node.srcs[name]])
+        self.g, self.out = g, mg_runner.out
+        self.cgraph = lib.ggml_new_graph_custom(self.ctx, size, False)
+        lib.ggml_build_forward_expand(self.cgraph, g[mg_runner.out])
+        params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(n_threads))
+        self.pool = lib.ggml_threadpool_new(params)
+        self.plan = ffi.new("struct ggml_cplan *", lib.ggml_graph_plan(self.cgraph, n_threads, self.pool))
+        self.work = ffi.new("uint8_t[]", self.plan.work_size) if self.plan.work_size else ffi.NULL
+        self.plan.work_data = self.work
+        self()
+        self.pause()
+
+    def pause(self):
+        """Park ggml's workers (they poll) while the other runtimes are timed."""
+        go.lib.ggml_threadpool_pause(self.pool)
+
+    def resume(self):
+        go.lib.ggml_threadpool_resume(self.pool)
+
+    def __call__(self):
+        if go.lib.ggml_graph_compute(self.cgraph, self.plan) != 0:
+            raise RuntimeError("ggml_graph_compute failed")
+
+    def result(self):
+        return go._read(self.g[self.out], self.out.shape)
+
+    def close(self):
+        if self.pool is not None:
+            go.lib.ggml_threadpool_free(self.pool)
+            self.pool = None
+        if self.ctx is not None:
+            go.lib.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def bench_case(case, n_threads, reps, min_time):
+    op, shape, build, numpy_fn = case
+    m = MgRunner(build, n_threads)
+    arrs = [m.b.data[t].copy() for t in m.b.data]
+    runners = {"minigraph": m, "numpy": lambda: numpy_fn(arrs)}
+    gg = None
+    if go is not None:
+        try:
+            gg = runners["ggml"] = GgmlRunner(m, n_threads)
+        except go.GgmlRefuses as e:
+            print(f"  (ggml refuses {op} {shape}: {e})")
+    # inner loop count so that one sample takes about min_time
+    t0 = time.perf_counter()
+    m()
+    one = time.perf_counter() - t0
+    inner = max(1, int(min_time / max(one, 1e-7)))
+    times = {k: [] for k in runners}
+    order = list(runners)
+    try:
+        for r in range(reps):
+            for k in order[r % len(order):] + order[:r % len(order)]:   # alternate who goes first
+                fn = runners[k]
+                time.sleep(0.005)    # let the previous runtime's spinning workers go idle
+                if k == "ggml":
+                    gg.resume()
+                fn()                 # warm this runtime's workers
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                times[k].append((time.perf_counter() - t0) / inner)
+                if k == "ggml":
+                    gg.pause()
+        if gg is not None:   # sanity: same answer as ggml
+            gg.resume()
+            a, e = m.result(), gg.result()
+            if op != "SET_ROWS" and not np.allclose(a, e, rtol=1e-3, atol=1e-3):
+                print(f"  WARNING: minigraph and ggml differ on {op} {shape}")
+    finally:
+        if gg is not None:
+            gg.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fmt(t):
+    return f"{t * 1e6:9.1f}us" if t < 1e-3 else f"{t * 1e3:9.2f}ms"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma separated")
+    ap.add_argument("--filter", default="", help="only ops whose name contains this")
+    args = ap.parse_args(argv)
+    reps, min_time = (5, 0.02) if args.quick else (15, 0.05)
+    threads = [int(t) for t in args.threads.split(",")]
+    if go is None:
+        print(f"ggml not available ({GGML_ERROR}); ratios against ggml are omitted")
+    print(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
+          f"{'ggml/mg':>8s} {'np/mg':>8s}")
+    worst = None
+    for case in all_cases(args.quick):
+        if args.filter and args.filter.upper() not in case[0]:
+            continue
+        for nt in threads:
+            t = bench_case(case, nt, reps, min_time)
+            mg_t = t["minigraph"]
+            g = t.get("ggml")
+            rg = g / mg_t if g else float("nan")
+            rn = t["numpy"] / mg_t
+            print(f"{case[0]:9s} {case[1]:48s} {nt:2d} {fmt(mg_t)} {fmt(g) if g else '        -':>11s} "
+                  f"{fmt(t['numpy'])} {rg:8.2f} {rn:8.2f}", flush=True)
+            if g and (worst is None or rg < worst[0]):
+                worst = (rg, case[0], case[1], nt)
+    if worst:
+        print(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
+    else:
+        print("min ratio ggml/minigraph: n/a (ggml not available)")
+
+
+if __name__ == "__main__":
+    main()
