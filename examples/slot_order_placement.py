@@ -11,19 +11,15 @@ from __future__ import annotations
 import argparse
 
 import minigraph as mg
-from models.batch import Batch, BatchAllocr
-from models.graph import SLOT_ORDERS, GraphParams
+from models.graph import SLOT_ORDERS
 from models.runner import Runner
 from models.zoo import layer_devices, make_model
 
 
 def schedule_one_ubatch(model, devices, strategy, n_rs_seq=3, n_tokens=4):
-    runner = Runner(model, mem_size=1, n_rs_seq=n_rs_seq, slot_order=strategy, backends=devices, reuse=False)
-    ub = BatchAllocr(Batch.from_seqs({0: list(range(n_tokens))})).split_all(
-        "equal", 8, sequential=True, n_keep_tail=n_rs_seq + 1)[0]
-    runner.memory.find_slot(ub)
-    res = runner._build(GraphParams(model.arch, ub, runner.memory, n_rs_seq, strategy, ub.n_tokens))
-    return res
+    """Build and schedule one prefill ubatch's graph (no compute) under a slot-order strategy."""
+    runner = Runner(model, mem_size=2, n_rs_seq=n_rs_seq, slot_order=strategy, backends=devices, reuse=False)
+    return runner.schedule_only({0: list(range(n_tokens))})
 
 
 def main(argv=None):

@@ -136,17 +136,9 @@ def cmd_run(args):
 
 # -- placement -------------------------------------------------------------------------------
 def _placement(model, devices, args, strategy):
-    from models.batch import Batch, BatchAllocr
-    from models.graph import GraphContext, GraphParams, GraphResult
-    import minigraph as mg
     r = _runner(model, devices, args, reuse=False)
     r.slot_order = strategy
-    toks = list(range(min(args.ubatch, 4)))
-    ub = BatchAllocr(Batch.from_seqs({0: toks})).split_all("equal", args.ubatch, sequential=True,
-                                                           n_keep_tail=r.K if r.n_rs_seq else 0)[0]
-    r.memory.find_slot(ub)
-    params = GraphParams(model.arch, ub, r.memory, r.n_rs_seq, strategy, ub.n_tokens)
-    res = r._build(params)
+    res = r.schedule_only({0: list(range(min(args.ubatch, 4)))})
     sched = res.sched
     rep = sched.placement_report()
     layers = []
@@ -315,7 +307,8 @@ def cmd_check(args):
 # -- bench -----------------------------------------------------------------------------------
 def cmd_bench(args):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    scripts = [os.path.join(root, "bench", n) for n in ("ops.py", "models.py", "reuse.py")]
+    names = [args.only + ".py"] if args.only else ["ops.py", "models.py", "reuse.py"]
+    scripts = [os.path.join(root, "bench", n) for n in names]
     scripts = [s for s in scripts if os.path.exists(s)]
     if not scripts:
         _fail("the benchmarks live in the source tree's bench/ folder; run from a checkout installed with pip install -e .", 1)
@@ -352,6 +345,7 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="the op, model and reuse benchmarks")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["ops", "models", "reuse"], default=None)
     p.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)
     try:

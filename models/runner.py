@@ -166,6 +166,16 @@ class Runner:
                                     f"{ub.n_seqs}x{ub.n_seq_tokens} tokens at head {params.mctx.get_head()}")
         self.stats.validated += 1
 
+    def schedule_only(self, seq_tokens: dict) -> GraphResult:
+        """Split {seq: [tokens]}, find a slot for the first ubatch, build and schedule its graph
+        without computing it: for placement reports and drawings."""
+        batch = Batch.from_seqs(seq_tokens, start_pos={s: self.next_pos(s) for s in seq_tokens})
+        ub = BatchAllocr(batch).split_all("equal", self.n_ubatch, sequential=True,
+                                          n_keep_tail=self.K if self.n_rs_seq > 0 else 0)[0]
+        if not self.memory.find_slot(ub):
+            raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences")
+        return self._build(GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens))
+
     # -- batches ----------------------------------------------------------------------------
     def decode(self, batch: Batch) -> np.ndarray:
         """Decode a batch; returns logits [n_tokens, n_vocab] in the batch's token order."""

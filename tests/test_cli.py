@@ -1,0 +1,85 @@
+"""The `minigraph` command, run as a subprocess: every subcommand's happy path, --json that
+parses and agrees with the API, and error paths that exit non-zero with one clear line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, expect=0):
+    p = subprocess.run([sys.executable, "-m", "minigraph.cli", *args], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == expect, f"exit {p.returncode}\nstdout:{p.stdout}\nstderr:{p.stderr}"
+    return p
+
+
+def test_run_json_and_state_check():
+    d = json.loads(cli("run", "toy", "--steps", "8", "--threads", "1", "--json").stdout)
+    for k in ("tokens_per_s", "builds", "reuses", "copies_per_step", "copy_bytes_per_step",
+              "rollbacks", "rollbacks_refused", "state_check"):
+        assert k in d
+    assert d["state_check"] == "pass" and d["rollbacks"] > 0 and d["rollbacks_refused"] == 0
+    assert d["copies_per_step"] == 0       # one device
+
+
+def test_run_two_devices_text():
+    out = cli("run", "toy", "--devices", "cpu:1,cpu:0", "--layers", "4", "--steps", "6",
+              "--slot-order", "host-input").stdout
+    assert "state check         pass" in out and "cross-device copies" in out
+
+
+def test_placement_compare_agrees_with_the_api():
+    d = json.loads(cli("placement", "toy", "--devices", "cpu:1,cpu:0", "--layers", "4", "--compare", "--json").stdout)
+    s = d["strategies"]
+    assert s["per-layer"]["slot_order_copies"] == 0
+    assert s["shared-first-layer"]["slot_order_copies"] == 2    # one per conv layer on cpu:0
+    assert s["host-input"]["slot_order_copies"] == 1            # one per other device
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import minigraph as mg
+    from slot_order_placement import schedule_one_ubatch
+    from models.zoo import make_model
+    devices = [mg.backend("cpu:1"), mg.backend("cpu:0")]
+    model = make_model("toy", devices, n_layer=4)
+    for strategy, v in s.items():
+        rep = schedule_one_ubatch(model, devices, strategy).sched.placement_report()
+        assert (rep.n_copies, rep.copy_bytes) == (v["copies"], v["copy_bytes"])
+
+
+def test_placement_text_and_dot(tmp_path):
+    dot = tmp_path / "g.dot"
+    out = cli("placement", "toy", "--devices", "cpu:1,cpu:0", "--layers", "2", "--dot", str(dot)).stdout
+    assert "cache_r_l0" in out and "## SPLIT #0" in out
+    assert "digraph" in dot.read_text()
+
+
+def test_reuse_json():
+    d = json.loads(cli("reuse", "toy", "--steps", "15", "--threads", "1", "--json").stdout)
+    assert d["validator"] == "pass"
+    assert d["reuses"] > 0 and d["builds"] < 16
+    assert d["host_ms_per_step_reuse"] >= 0 and d["host_ms_per_step_rebuild"] > 0
+
+
+def test_check_json():
+    d = json.loads(cli("check", "--seeds", "1", "--json").stdout)
+    assert d["failed"] == 0 and "cpu:0" in d["columns"] and "ggml" in d["columns"]
+
+
+def test_bench_reuse_quick():
+    out = cli("bench", "--quick", "--only", "reuse").stdout
+    assert "host time per step, rebuild/reuse:" in out
+
+
+@pytest.mark.parametrize("args,code,msg", [
+    (("run", "nope"), 2, "unknown model 'nope'"),
+    (("run", "toy", "--devices", "tpu:0"), 2, "bad device 'tpu:0'"),
+    (("run", "toy", "--n-rs-seq", "1", "--draft", "3", "--steps", "5"), 1, "rollback of"),
+    (("placement", "toy", "--devices", "cpu:0,cpu:0"), 2, "listed twice"),
+])
+def test_errors_are_one_line_and_non_zero(args, code, msg):
+    p = cli(*args, expect=code)
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and msg in err[0] and "Traceback" not in p.stderr

@@ -1,0 +1,21 @@
+"""Every example runs (in seconds) and says what it promises."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script,args,expect", [
+    ("conv_state_store.py", [], "all slots as REFERENCE §4.3 predicts"),
+    ("new_recurrent_layer.py", [], "equals the no-draft run: True"),
+    ("slot_order_placement.py", [], "host-input"),
+    ("graph_reuse.py", ["--steps", "12"], "matched a fresh build bit for bit"),
+])
+def test_example_runs(script, args, expect):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    assert expect in p.stdout
