@@ -18,6 +18,11 @@ def fresh_backends():
         out.append(("cpu", lambda: type(cpu)(9)))
     except Exception:
         pass
+    try:
+        cuda = mg.backend("cuda:0")          # only where CuPy and a GPU are present
+        out.append(("cuda", lambda: type(cuda)(0)))
+    except Exception:
+        pass
     return out
 
 

@@ -1,0 +1,44 @@
+// Row reductions over dim 0 (RMS_NORM, L2_NORM, SUM_ROWS): one block of 256 threads per row,
+// sums in double as ggml's CPU backend and the NumPy reference do.
+#include "common.cuh"
+
+#define RED_SUM 0
+#define RED_RMS 1
+#define RED_L2 2
+
+template <int KIND>
+__device__ __forceinline__ void reduce_body(i64 nrows, i64 ne0, i64 ne1, i64 ne2, const char *a,
+                                            NB4(a), char *dst, NB4(d), float eps) {
+    for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {       // uniform over the block
+        const i64 i1 = r % ne1, q = r / ne1, i2 = q % ne2, i3 = q / ne2;
+        const char *ar = a + i1 * a_nb1 + i2 * a_nb2 + i3 * a_nb3;
+        char *dr = dst + i1 * d_nb1 + i2 * d_nb2 + i3 * d_nb3;
+        double s = 0.0;
+        for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) {
+            const double v = (double)ld<float>(ar + i0 * a_nb0);
+            s += KIND == RED_SUM ? v : v * v;
+        }
+        s = block_sum(s);
+        if (KIND == RED_SUM) {
+            if (threadIdx.x == 0) st<float>(dr, (float)s);
+            continue;
+        }
+        float scale;
+        if (KIND == RED_RMS) {
+            const float mean = (float)(s / (double)ne0);
+            scale = 1.0f / sqrtf(mean + eps);
+        } else {
+            const float nrm = sqrtf((float)s);
+            scale = 1.0f / (nrm < eps ? eps : nrm);          // NaN stays NaN, as np.maximum
+        }
+        for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x)
+            st<float>(dr + i0 * d_nb0, ld<float>(ar + i0 * a_nb0) * scale);
+    }
+}
+
+#define REDUCE_PARAMS i64 nrows, i64 ne0, i64 ne1, i64 ne2, const char *a, NB4(a), char *dst, NB4(d), float eps
+#define REDUCE_ARGS nrows, ne0, ne1, ne2, a, NB4_PASS(a), dst, NB4_PASS(d), eps
+
+extern "C" __global__ void sum_rows_f32(REDUCE_PARAMS) { reduce_body<RED_SUM>(REDUCE_ARGS); }
+extern "C" __global__ void rms_norm_f32(REDUCE_PARAMS) { reduce_body<RED_RMS>(REDUCE_ARGS); }
+extern "C" __global__ void l2_norm_f32(REDUCE_PARAMS) { reduce_body<RED_L2>(REDUCE_ARGS); }
