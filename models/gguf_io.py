@@ -1,0 +1,384 @@
+"""GGUF files for the recurrent models, with llama.cpp's architecture names, metadata keys and
+tensor names (REFERENCE §11), through the `gguf` package (pip install 'minigraph[gguf]').
+
+    save_gguf(model, path)                     write a model's hyperparameters and weights
+    load_gguf(path, devices=None) -> model     build the arch's model class and fill its weights
+
+Architectures: "lfm2" (models.lfm.LFM2Model), "kimi-linear" (models.kda.KDAModel), "mamba2"
+(models.mamba2), "qwen35" (models.delta_net). A model class takes part through this protocol:
+
+    arch             llama.cpp's architecture name (or `gguf_arch` when `arch` says something else)
+    hparams          {constructor keyword: value}: `cls(**hparams, devices=...)` rebuilds the same
+                     structure (with random weights that load_gguf then overwrites)
+    gguf_tensors()   {GGUF tensor name: mg.Tensor}; the tensor's ne with trailing 1s dropped
+                     (ggml_n_dims) is the shape written, e.g. ssm_conv1d_q [d_conv, 1, d_inner]
+  optional:
+    gguf_metadata()          {key without the "{arch}." prefix: value} replacing the table below
+    hparams_from_gguf(kv)    classmethod, {key without prefix: value} -> hparams
+
+Shapes: ggml's ne is the reverse of NumPy's shape; gguf-py writes a NumPy array's shape reversed
+and reads it back as `ReaderTensor.shape` (ne order) with `.data` in NumPy order, so a tensor's
+`numpy()` (shape = reversed ne[:n_dims]) is written as is and set back as is. Every file also
+carries `minigraph.hparams` (the hparams dict as JSON): the loader prefers the standard keys for
+the archs whose table it knows fully (lfm2, kimi-linear) and falls back to the JSON for the others,
+so a file written here always loads back into the same structure.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+
+import minigraph as mg
+
+ARCH_CLASSES = {
+    "lfm2": ("models.lfm", "LFM2Model"),
+    "kimi-linear": ("models.kda", "KDAModel"),
+    "mamba2": ("models.mamba2", "Mamba2Model"),
+    "qwen35": ("models.delta_net", "DeltaNetModel"),
+}
+HPARAMS_KEY = "minigraph.hparams"
+
+
+class GGUFError(ValueError):
+    """A file or model this module cannot write or read."""
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("models.gguf_io needs the `gguf` package: pip install 'minigraph[gguf]' "
+                          "(or pip install gguf)") from e
+    return gguf
+
+
+# -- metadata: hparams <-> llama.cpp keys, per arch ----------------------------------------------
+# Each entry: key (without "{arch}.") -> value. Ints are written as uint32, floats as float32,
+# lists of ints as int32 arrays, strings as strings.
+
+def _pick(hp: dict, *names, default=None):
+    for n in names:
+        if n in hp and hp[n] is not None:
+            return hp[n]
+    if default is not None:
+        return default
+    raise GGUFError(f"hparams {sorted(hp)} have none of {names}")
+
+
+def _common(hp: dict) -> dict:
+    return {
+        "vocab_size": int(_pick(hp, "n_vocab")),
+        "context_length": int(_pick(hp, "n_ctx_train", "n_ctx", default=4096)),
+        "embedding_length": int(_pick(hp, "n_embd", "d_model")),
+        "block_count": int(_pick(hp, "n_layer")),
+        "attention.layer_norm_rms_epsilon": float(_pick(hp, "eps", "rms_eps", "norm_eps", "f_norm_rms_eps", default=1e-5)),
+    }
+
+
+def _common_back(kv: dict) -> dict:
+    return {"n_vocab": kv["vocab_size"], "n_ctx_train": kv["context_length"], "n_embd": kv["embedding_length"],
+            "n_layer": kv["block_count"], "eps": kv["attention.layer_norm_rms_epsilon"]}
+
+
+def _meta_lfm2(hp):
+    n_layer = int(hp["n_layer"])
+    return {**_common(hp),
+            "shortconv.l_cache": int(hp["l_cache"]),
+            "feed_forward_length": int(hp["n_ff"]),
+            "attention.head_count": int(_pick(hp, "n_head", default=1)),
+            "attention.head_count_kv": [0] * n_layer}          # 0 = short-conv block
+
+
+def _back_lfm2(kv):
+    kv_heads = list(kv.get("attention.head_count_kv", []))
+    if any(int(x) != 0 for x in kv_heads):
+        raise GGUFError("lfm2: this file has attention blocks (head_count_kv != 0); models.lfm has short-conv blocks only")
+    return {**_common_back(kv), "l_cache": kv["shortconv.l_cache"], "n_ff": kv["feed_forward_length"],
+            "n_head": kv["attention.head_count"]}
+
+
+def _meta_kimi(hp):
+    n_layer, hd = int(hp["n_layer"]), int(hp["head_dim"])
+    return {**_common(hp),
+            "attention.head_count": int(hp["n_head"]),
+            "attention.head_count_kv": [0] * n_layer,            # 0 = KDA block
+            "kda.head_dim": hd,
+            "ssm.conv_kernel": int(hp["d_conv"]),
+            "feed_forward_length": int(hp["n_ff"]),
+            # MoE keys llama.cpp reads even when every FFN is dense
+            "expert_feed_forward_length": int(hp["n_ff"]),
+            "expert_shared_count": 0,
+            "expert_gating_func": 2,                            # sigmoid (unused: no MoE block)
+            "leading_dense_block_count": n_layer,
+            # MLA keys the loader requires (unused: no attention block)
+            "attention.key_length_mla": hd,
+            "attention.value_length_mla": hd,
+            "attention.kv_lora_rank": hd}
+
+
+def _back_kimi(kv):
+    kv_heads = list(kv.get("attention.head_count_kv", []))
+    if any(int(x) != 0 for x in kv_heads):
+        raise GGUFError("kimi-linear: this file has MLA blocks (head_count_kv != 0); models.kda has KDA blocks only")
+    dense = int(kv.get("leading_dense_block_count", kv["block_count"]))
+    if dense < int(kv["block_count"]):
+        raise GGUFError("kimi-linear: this file has MoE blocks; models.kda has dense FFNs only")
+    return {**_common_back(kv), "n_head": kv["attention.head_count"], "head_dim": kv["kda.head_dim"],
+            "d_conv": kv["ssm.conv_kernel"], "n_ff": kv["feed_forward_length"]}
+
+
+def _meta_mamba2(hp):
+    return {**_common(hp),
+            "ssm.conv_kernel": int(_pick(hp, "d_conv", "ssm_d_conv")),
+            "ssm.inner_size": int(_pick(hp, "d_inner", "ssm_d_inner")),
+            "ssm.state_size": int(_pick(hp, "d_state", "ssm_d_state")),
+            "ssm.time_step_rank": int(_pick(hp, "n_head", "dt_rank", "ssm_dt_rank")),
+            "ssm.group_count": int(_pick(hp, "n_group", "ssm_n_group", default=1))}
+
+
+def _back_mamba2(kv):
+    return {**_common_back(kv), "d_conv": kv["ssm.conv_kernel"], "d_inner": kv["ssm.inner_size"],
+            "d_state": kv["ssm.state_size"], "n_head": kv["ssm.time_step_rank"], "n_group": kv["ssm.group_count"]}
+
+
+def _meta_qwen35(hp):
+    n_layer = int(hp["n_layer"])
+    head_dim = int(_pick(hp, "head_dim", "head_k_dim", "d_state", "ssm_d_state"))
+    n_k = int(_pick(hp, "n_k_heads", "num_k_heads", "n_k_head", "n_group", "ssm_n_group"))
+    n_v = int(_pick(hp, "n_v_heads", "num_v_heads", "n_v_head", "n_head", "ssm_dt_rank"))
+    return {**_common(hp),
+            "ssm.conv_kernel": int(_pick(hp, "d_conv", "ssm_d_conv")),
+            "ssm.state_size": head_dim,
+            "ssm.group_count": n_k,
+            "ssm.time_step_rank": n_v,
+            "ssm.inner_size": int(_pick(hp, "d_inner", default=head_dim * n_v)),
+            "feed_forward_length": int(_pick(hp, "n_ff")),
+            # every block is a delta-net block: the attention interval lies past the last block;
+            # the attention keys are required even without attention blocks (REFERENCE §11)
+            "full_attention_interval": n_layer + 1,
+            "attention.head_count": 1,
+            "attention.head_count_kv": 1,
+            "attention.key_length": head_dim,
+            "attention.value_length": head_dim,
+            "rope.dimension_count": head_dim,
+            "rope.dimension_sections": [max(1, head_dim // 8)] * 3 + [0]}
+
+
+def _back_qwen35(kv):
+    # names as models.delta_net.DeltaNetModel takes them
+    return {**_common_back(kv), "d_conv": kv["ssm.conv_kernel"], "head_dim": kv["ssm.state_size"],
+            "num_k_heads": kv["ssm.group_count"], "num_v_heads": kv["ssm.time_step_rank"],
+            "n_ff": kv["feed_forward_length"]}
+
+
+ARCH_META = {
+    "lfm2": (_meta_lfm2, _back_lfm2, True),          # (hparams -> keys, keys -> hparams, table complete)
+    "kimi-linear": (_meta_kimi, _back_kimi, True),
+    "mamba2": (_meta_mamba2, _back_mamba2, False),
+    "qwen35": (_meta_qwen35, _back_qwen35, False),
+}
+
+
+# -- model classes --------------------------------------------------------------------------------
+
+def model_arch(model) -> str:
+    return getattr(model, "gguf_arch", None) or model.arch
+
+
+def model_class(arch: str):
+    """The model class for a GGUF architecture name."""
+    if arch not in ARCH_CLASSES:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}: known are {sorted(ARCH_CLASSES)}")
+    mod_name, cls_name = ARCH_CLASSES[arch]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name != mod_name:
+            raise
+        raise GGUFError(f"architecture {arch!r} needs {mod_name}, which is not there") from None
+    cls = getattr(mod, cls_name, None)
+    if cls is None:                       # any class of the module that says it is this arch
+        for obj in vars(mod).values():
+            if inspect.isclass(obj) and obj.__module__ == mod.__name__ and \
+                    (getattr(obj, "gguf_arch", None) or getattr(obj, "arch", None)) == arch:
+                cls = obj
+                break
+    if cls is None:
+        raise GGUFError(f"no model class for architecture {arch!r} in {mod_name}")
+    return cls
+
+
+def _tensors_of(model) -> dict:
+    fn = getattr(model, "gguf_tensors", None)
+    if fn is None:
+        raise GGUFError(f"{type(model).__name__} has no gguf_tensors(): cannot map its weights to GGUF names")
+    return dict(fn())
+
+
+def _hparams_of(model) -> dict:
+    hp = getattr(model, "hparams", None)
+    if not isinstance(hp, dict):
+        raise GGUFError(f"{type(model).__name__} has no `hparams` dict of constructor arguments")
+    return dict(hp)
+
+
+def _metadata(model, arch: str, hp: dict) -> dict:
+    fn = getattr(model, "gguf_metadata", None)
+    if fn is not None:
+        return dict(fn())
+    return ARCH_META[arch][0](hp)
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+def _add_kv(writer, gguf, key: str, val):
+    T = gguf.GGUFValueType
+    if isinstance(val, bool):
+        writer.add_bool(key, val)
+    elif isinstance(val, (int, np.integer)):
+        writer.add_uint32(key, int(val))
+    elif isinstance(val, (float, np.floating)):
+        writer.add_float32(key, float(val))
+    elif isinstance(val, str):
+        writer.add_string(key, val)
+    elif isinstance(val, (list, tuple)):
+        if all(isinstance(x, (int, np.integer)) for x in val):
+            writer.add_key_value(key, [int(x) for x in val], T.ARRAY, sub_type=T.INT32)
+        elif all(isinstance(x, (float, np.floating)) for x in val):
+            writer.add_key_value(key, [float(x) for x in val], T.ARRAY, sub_type=T.FLOAT32)
+        else:
+            writer.add_key_value(key, [str(x) for x in val], T.ARRAY, sub_type=T.STRING)
+    else:
+        raise GGUFError(f"metadata {key}: cannot write a {type(val).__name__}")
+
+
+def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = False) -> Path:
+    """Write the model's hyperparameters (llama.cpp keys) and f32 weights (llama.cpp names).
+
+    embed_hparams: also write the hparams dict as JSON under `minigraph.hparams` (default);
+    without it the file holds only what llama.cpp reads. tie_output: leave `output.weight` out
+    (llama.cpp then uses the embedding; only valid when the two are equal)."""
+    gguf = _gguf()
+    arch = model_arch(model)
+    if arch not in ARCH_META:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r}: known are {sorted(ARCH_META)}")
+    hp = _hparams_of(model)
+    tensors = _tensors_of(model)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    try:
+        writer.add_name(f"minigraph tiny {arch}")
+        writer.add_file_type(0)                                   # all f32
+        for key, val in _metadata(model, arch, hp).items():
+            _add_kv(writer, gguf, f"{arch}.{key}", val)
+        writer.add_tokenizer_model("none")                       # token ids are fed directly
+        if embed_hparams:
+            writer.add_string(HPARAMS_KEY, json.dumps(hp, sort_keys=True))
+        if tie_output:
+            out, emb = tensors.pop("output.weight", None), tensors.get("token_embd.weight")
+            if out is None or emb is None or not np.array_equal(out.numpy(), emb.numpy()):
+                raise GGUFError("tie_output: output.weight must exist and equal token_embd.weight")
+        for name, t in tensors.items():
+            if t.type != mg.f32:
+                raise GGUFError(f"tensor {name}: only f32 weights are written, got {t.type.name}")
+            writer.add_tensor(name, np.ascontiguousarray(t.numpy()))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return path
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+def _py(v):
+    # float32 values come back as the shortest decimal that gives the same float32 (1e-05, not
+    # 9.99999974e-06), so hparams compare equal to what was written
+    if isinstance(v, np.floating) and v.dtype == np.float32:
+        return float(str(v))
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _field_value(field):
+    v = field.contents()
+    if isinstance(v, list):
+        if field.types and field.types[-1] == _gguf().GGUFValueType.FLOAT32:
+            return [float(str(np.float32(x))) for x in v]
+        return [_py(x) for x in v]
+    if isinstance(v, float) and field.types and field.types[0] == _gguf().GGUFValueType.FLOAT32:
+        return float(str(np.float32(v)))
+    return _py(v)
+
+
+def read_metadata(path) -> dict:
+    """All key/value pairs of a GGUF file, values as Python objects."""
+    reader = _gguf().GGUFReader(str(path))
+    return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _hparams_from_file(cls, arch: str, kv_all: dict) -> dict:
+    prefix = arch + "."
+    kv = {k[len(prefix):]: v for k, v in kv_all.items() if k.startswith(prefix)}
+    own = getattr(cls, "hparams_from_gguf", None)
+    if own is not None:
+        return dict(own(kv))
+    _, back, complete = ARCH_META[arch]
+    if complete or HPARAMS_KEY not in kv_all:
+        try:
+            hp = back(kv)
+        except KeyError as e:
+            raise GGUFError(f"{arch}: metadata key {prefix}{e.args[0]} is missing") from None
+    else:
+        hp = json.loads(kv_all[HPARAMS_KEY])
+    # keep the hparams the extra JSON adds beyond the standard keys (e.g. a class's own options)
+    if HPARAMS_KEY in kv_all:
+        for k, v in json.loads(kv_all[HPARAMS_KEY]).items():
+            hp.setdefault(k, v)
+    params = inspect.signature(cls).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        hp = {k: v for k, v in hp.items() if k in params}
+    return hp
+
+
+def load_gguf(path, devices=None):
+    """Read a GGUF file written by save_gguf (or any file of the same structure): construct the
+    arch's model class on `devices` (None, one backend, or one per layer) and fill its weights."""
+    gguf = _gguf()
+    reader = gguf.GGUFReader(str(path))
+    kv_all = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch = kv_all.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: no general.architecture key")
+    cls = model_class(arch)
+    hp = _hparams_from_file(cls, arch, kv_all)
+    model = cls(**hp, devices=devices)
+    want = _tensors_of(model)
+    found = {t.name: t for t in reader.tensors}
+    missing = [n for n in want if n not in found]
+    if "output.weight" in missing and "token_embd.weight" in found:
+        missing.remove("output.weight")                      # tied head (llama.cpp's fallback)
+        found["output.weight"] = found["token_embd.weight"]
+    if missing:
+        raise GGUFError(f"{path}: tensors missing for {arch}: {missing}")
+    extra = sorted(set(found) - set(want) - {"output.weight"})
+    if extra:
+        raise GGUFError(f"{path}: tensors {extra} have no place in {cls.__name__}")
+    for name, t in want.items():
+        rt = found[name]
+        if rt.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise GGUFError(f"{name}: only f32 tensors are read, got {rt.tensor_type.name}")
+        ne = tuple(int(x) for x in rt.shape)
+        if ne + (1,) * (4 - len(ne)) != t.ne:
+            raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
+        t.set(np.ascontiguousarray(rt.data, dtype=np.float32).reshape(t.shape))
+    return model
+
+
+__all__ = ["save_gguf", "load_gguf", "read_metadata", "model_class", "GGUFError", "ARCH_CLASSES", "HPARAMS_KEY"]
