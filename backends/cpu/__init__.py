@@ -10,6 +10,14 @@ import os
 import weakref
 from collections import OrderedDict
 
+# libgomp reads these when the extension loads. Its default spins ~300k iterations after every
+# parallel region, so idle workers keep burning a core long after a plan has run and steal it
+# from Python and from other processes (2-core machines stall badly). A short spin keeps the
+# per-node barrier fast and lets idle workers sleep. (OMP_WAIT_POLICY=PASSIVE is far slower:
+# every barrier sleeps.) Users can override either variable.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "20000"
+
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
