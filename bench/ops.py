@@ -61,7 +61,8 @@ def ssm_conv_case(d_inner, n_t, n_s, d_conv=4):
         for k in range(d_conv):
             acc += x[:, :, k:k + n_t] * c[:, k:k + 1]
         return np.ascontiguousarray(acc.transpose(0, 2, 1))
-    return "SSM_CONV", f"d_inner={d_inner} n_t={n_t} n_s={n_s}", build, numpy_fn
+    moved = ((d_conv - 1 + n_t) * d_inner * n_s + d_conv * d_inner + d_inner * n_t * n_s) * 4
+    return "SSM_CONV", f"d_inner={d_inner} n_t={n_t} n_s={n_s}", build, numpy_fn, moved
 
 
 def conv_store_case(n_t, n_cols=3, K=4, ch=4096, n_seqs=4):
@@ -86,7 +87,8 @@ def conv_store_case(n_t, n_cols=3, K=4, ch=4096, n_seqs=4):
             start = n_t - kw + j
             s4[slot, 1:1 + n_seqs] = x[:, :, start:start + n_cols]
         return s
-    return "SET_ROWS", f"conv store n_cols={n_cols} K={K} ch={ch} n_seqs={n_seqs} n_t={n_t}", build, numpy_fn
+    moved = 2 * kw * n_cols * ch * n_seqs * 4                     # windows read, slots written
+    return "SET_ROWS", f"conv store n_cols={n_cols} K={K} ch={ch} n_seqs={n_seqs} n_t={n_t}", build, numpy_fn, moved
 
 
 def concat_case(n_t, n_hist=3, ch=4096, n_seqs=4):
@@ -95,7 +97,7 @@ def concat_case(n_t, n_hist=3, ch=4096, n_seqs=4):
 
     def numpy_fn(arrs):
         return np.concatenate([a.reshape(n_seqs, ch, -1) for a in arrs], axis=-1)
-    return "CONCAT", f"dim0 [{n_hist}+{n_t}, {ch}, {n_seqs}]", build, numpy_fn
+    return "CONCAT", f"dim0 [{n_hist}+{n_t}, {ch}, {n_seqs}]", build, numpy_fn, 2 * (n_hist + n_t) * ch * n_seqs * 4
 
 
 def cont_t_case(n0=4096, n1=512):
@@ -104,7 +106,7 @@ def cont_t_case(n0=4096, n1=512):
 
     def numpy_fn(arrs):
         return np.ascontiguousarray(arrs[0].reshape(n1, n0).T)
-    return "CONT", f"transposed {n0}x{n1}", build, numpy_fn
+    return "CONT", f"transposed {n0}x{n1}", build, numpy_fn, 2 * n0 * n1 * 4
 
 
 def mul_mat_case(n, k=4096, m=4096):
@@ -114,7 +116,9 @@ def mul_mat_case(n, k=4096, m=4096):
     def numpy_fn(arrs):
         a, x = arrs[0].reshape(m, k), arrs[1].reshape(n, k)
         return x @ a.T
-    return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn
+    # matrix x few vectors is memory-bound (the matrix is read once); large n is compute-bound
+    moved = (m * k + (k + m) * n) * 4 if n <= 8 else None
+    return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn, moved
 
 
 def all_cases(quick):
@@ -211,7 +215,7 @@ class GgmlRunner:
 
 
 def bench_case(case, n_threads, reps, min_time):
-    op, shape, build, numpy_fn = case
+    op, shape, build, numpy_fn, _ = case
     m = MgRunner(build, n_threads)
     arrs = [m.b.data[t].copy() for t in m.b.data]
     runners = {"minigraph": m, "numpy": lambda: numpy_fn(arrs)}
@@ -253,6 +257,42 @@ def bench_case(case, n_threads, reps, min_time):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def copy_bandwidth(nbytes=64 << 20, reps=9) -> float:
+    """NumPy's copy bandwidth on this machine, read + write bytes per second."""
+    src = np.random.default_rng(0).random(nbytes // 8)
+    dst = np.empty_like(src)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(ts)
+
+
+def decode_graph_step(n_layer=24, n_embd=1024, reps=30):
+    """A whole 24-layer decode graph (conv layers: rms_norm, mul_mat, build_rs get_rows, concat,
+    the conv-state store's set_rows, ssm_conv, silu, mul, add) per step, and the share of the step
+    spent outside kernels, estimated as the same graph's time at n_embd 8 (the same nodes, plan
+    dispatch, barriers and Python entry, almost no arithmetic)."""
+    from models.runner import Runner
+    from models.toy import ToyConvModel
+    out = {}
+    for E in (n_embd, 8):
+        be = mg.backend("cpu")
+        model = ToyConvModel(n_vocab=256, n_embd=E, n_layer=n_layer, d_conv=4, devices=be)
+        r = Runner(model, mem_size=1, n_rs_seq=3, atomic=False)
+        r.decode_seq_tokens({0: [1, 2, 3, 4]})
+        r.decode_seq_tokens({0: [5]})
+        gf, sched = r.prev.gf, r.prev.sched
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            sched.graph_compute(gf)
+            ts.append(time.perf_counter() - t0)
+        out[E] = (statistics.median(ts), len(gf.nodes))
+    return out
+
+
 def fmt(t):
     return f"{t * 1e6:9.1f}us" if t < 1e-3 else f"{t * 1e3:9.2f}ms"
 
@@ -267,8 +307,10 @@ def main(argv=None):
     threads = [int(t) for t in args.threads.split(",")]
     if go is None:
         print(f"ggml not available ({GGML_ERROR}); ratios against ggml are omitted")
+    bw = copy_bandwidth()
+    print(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
     print(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
-          f"{'ggml/mg':>8s} {'np/mg':>8s}")
+          f"{'ggml/mg':>8s} {'np/mg':>8s} {'GB/s':>6s} {'%copy':>6s}")
     worst = None
     for case in all_cases(args.quick):
         if args.filter and args.filter.upper() not in case[0]:
@@ -279,10 +321,20 @@ def main(argv=None):
             g = t.get("ggml")
             rg = g / mg_t if g else float("nan")
             rn = t["numpy"] / mg_t
+            moved = case[4]
+            gbs = f"{moved / mg_t / 1e9:6.1f} {moved / mg_t / bw:6.0%}" if moved else f"{'-':>6s} {'-':>6s}"
             print(f"{case[0]:9s} {case[1]:48s} {nt:2d} {fmt(mg_t)} {fmt(g) if g else '        -':>11s} "
-                  f"{fmt(t['numpy'])} {rg:8.2f} {rn:8.2f}", flush=True)
+                  f"{fmt(t['numpy'])} {rg:8.2f} {rn:8.2f} {gbs}", flush=True)
             if g and (worst is None or rg < worst[0]):
                 worst = (rg, case[0], case[1], nt)
+    if not args.filter:
+        for nt in threads:
+            mg.backend("cpu").set_n_threads(nt)
+            steps = decode_graph_step()
+            (t_full, n_nodes), (t_tiny, _) = steps[1024], steps[8]
+            print(f"24-layer decode graph ({n_nodes} nodes, n_embd 1024), {nt} threads: {fmt(t_full)} per step; "
+                  f"outside kernels ~{fmt(t_tiny)} ({t_tiny / t_full:.0%} of the step, "
+                  f"{t_tiny / n_nodes * 1e6:.2f} us per node)")
     if worst:
         print(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
     else:
