@@ -154,7 +154,18 @@ def register_backend(kind: str, factory):
 
 
 def backend(name: str) -> Backend:
-    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N'."""
+    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a meta device
+    over several of them, 'meta(cpu:0,cpu:1)' (backends/meta)."""
+    if name.strip().startswith("meta("):
+        from backends.meta import make_meta, parse_meta_name
+        names = parse_meta_name(name)
+        if names is None:
+            raise ValueError(f"bad device name {name!r}: expected meta(dev,dev,...), e.g. meta(cpu:0,cpu:1)")
+        inner = [backend(n).name for n in names]
+        canonical = "meta(" + ",".join(inner) + ")"
+        if canonical not in _INSTANCES:
+            _INSTANCES[canonical] = make_meta(inner)
+        return _INSTANCES[canonical]
     m = re.fullmatch(r"([a-z]+)(?::(\d+))?", name.strip())
     if not m:
         raise ValueError(f"bad device name {name!r}: expected 'ref', 'cpu', 'cpu:N' or 'cuda:N'")
@@ -197,6 +208,9 @@ def alloc_ctx_tensors(ctx: Context, be: Backend, usage: str = "weights") -> Buff
     buf = be.alloc_buffer(total, usage)
     for t, o in zip(leaves, offs):
         t.buffer, t.offs = buf, o
+    bind = getattr(be, "bind_tensors", None)   # the meta device slices weights/caches per device
+    if bind is not None:
+        bind(buf, leaves)
     return buf
 
 

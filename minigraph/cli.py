@@ -44,6 +44,10 @@ def _setup(args):
         model = make_model(args.model, devices, seed=args.seed, gguf=args.gguf, **kw)
     except UsageError as e:
         _fail(str(e))
+    for d in devices:                  # a meta device splits the model by heads where it can
+        if hasattr(d, "set_split_state"):
+            from backends.meta import recipe_for
+            d.set_split_state(recipe_for(model))
     if args.n_rs_seq < 0:
         _fail("--n-rs-seq must be >= 0")
     return devices, model
@@ -188,8 +192,10 @@ def cmd_placement(args):
                               "strategies": {s: v[2] for s, v in results.items()}}))
         else:
             s = strategies[0]
+            meta = [d.split_report(results[s][0].gf, results[s][0].sched) for d in devices if hasattr(d, "split_report")]
             print(json.dumps({"model": args.model, "devices": [d.name for d in devices], "slot_order": s,
-                              **results[s][2], "report": results[s][1].to_dict()}))
+                              **results[s][2], "report": results[s][1].to_dict(),
+                              **({"split_states": meta} if meta else {})}))
         return 0
     for s in strategies:
         res, rep, summary = results[s]
@@ -201,6 +207,9 @@ def cmd_placement(args):
             print(f"  {L['layer']:14s} store on {L['store_device']:7s} {where}")
         if not args.compare:
             print(rep.format(nodes=args.verbose))
+            for d in devices:          # meta devices: every tensor's split state and the all-reduces
+                if hasattr(d, "format_split_report"):
+                    print(d.format_split_report(res.gf, res.sched))
     if args.compare:
         print(f"\n{'strategy':20s} {'slot-order copies':>18s} {'copies':>7s} {'bytes':>8s}")
         for s in strategies:

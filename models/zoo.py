@@ -12,6 +12,7 @@ MODELS = {
     "lfm": ("models.lfm", "LFM2Model"),
     "kda": ("models.kda", "KDAModel"),
     "toy": ("models.toy", "ToyConvModel"),
+    "toy-tp": ("backends.meta.demo", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device
 }
 
 
@@ -27,8 +28,16 @@ def model_class(name: str):
 
 
 def parse_devices(spec: str) -> list:
-    """'cpu' or 'cpu:1,cpu:0' -> backends in priority order (the last one is the host)."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    """'cpu' or 'cpu:1,cpu:0' or 'meta(cpu:0,cpu:1)' -> backends in priority order (the last one
+    is the host)."""
+    names, depth, cur = [], 0, ""          # commas inside meta(...) do not separate devices
+    for ch in spec + ",":
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            names.append(cur.strip()) if cur.strip() else None
+            cur = ""
+        else:
+            cur += ch
     if not names:
         raise UsageError("--devices is empty")
     out = []
