@@ -60,21 +60,26 @@ def draw(gf, path: str) -> list[str]:
                            f"the DOT file was written to {dot_path}") from None
     g = gf.to_networkx()
     devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
-    try:
-        pos = nx.multipartite_layout(g, subset_key={i: [n for n, l in _layers(g).items() if l == i] for i in set(_layers(g).values())})
-    except Exception:
-        pos = nx.spring_layout(g, seed=0)
-    fig, ax = plt.subplots(figsize=(max(6, len(g) * 0.5), 8))
+    layers = _layers(g)
+    by_layer: dict = {}
+    for n, l in layers.items():
+        by_layer.setdefault(l, []).append(n)
+    width = max(len(v) for v in by_layer.values())
+    pos = {n: (j - (len(v) - 1) / 2, -l) for l, v in by_layer.items() for j, n in enumerate(v)}
+    fig, ax = plt.subplots(figsize=(min(40, max(8, width * 1.6)), min(120, max(6, len(by_layer) * 0.45))))
     nx.draw_networkx_nodes(g, pos, ax=ax, node_color=[_colour(d.get("device"), devices) for _, d in g.nodes(data=True)])
-    nx.draw_networkx_labels(g, pos, ax=ax, font_size=6,
+    nx.draw_networkx_labels(g, pos, ax=ax, font_size=5,
                             labels={n: (d["name"] or d["op"].lower()) for n, d in g.nodes(data=True)})
     normal = [(u, v) for u, v, d in g.edges(data=True) if not d.get("copy")]
     copies = [(u, v) for u, v, d in g.edges(data=True) if d.get("copy")]
     nx.draw_networkx_edges(g, pos, edgelist=normal, ax=ax, arrows=True)
     nx.draw_networkx_edges(g, pos, edgelist=copies, ax=ax, arrows=True, edge_color="red", style="dashed")
-    ax.set_title("devices: " + ", ".join(devices) if devices else "unscheduled")
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=_colour(d, devices), label=d) for d in devices] +
+              [Patch(color="red", label="cross-device copy")], loc="upper right")
+    ax.set_title("nodes coloured by device" if devices else "unscheduled")
     ax.axis("off")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=72, bbox_inches="tight")
     plt.close(fig)
     return [dot_path, path]
 

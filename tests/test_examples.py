@@ -19,3 +19,12 @@ def test_example_runs(script, args, expect):
                        text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     assert expect in p.stdout
+
+
+def test_placement_example_draws_a_png(tmp_path):
+    png = tmp_path / "placement.png"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "slot_order_placement.py"), "--layers", "2",
+                        "--png", str(png)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "digraph" in (tmp_path / "placement.dot").read_text()
