@@ -15,6 +15,9 @@ KDA mixer (build_kda_layer), d_inner = n_head * head_dim:
 * fused gated_delta_net with the vector gate and K = n_rs_seq + 1 snapshots; the K states go to
   the s cache with GraphContext.build_state_store (slot j = state j tokens back).
 * output: per-head RMS norm (ssm_norm) times sigmoid(g_b(g_a(x))), then attn_output.
+
+The scaffolding around the mixer (devices, seeded weights, `hparams` and `gguf_tensors()` for
+models.gguf_io, the whole-model graph with its SwiGLU FFN) is models.base.RecurrentModel's.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import numpy as np
 
 import minigraph as mg
 
-from .lfm import WeightMaker, build_ffn, build_norm, layer_device_list, make_ffn
+from .base import RecurrentModel, build_norm
 
 
 def build_kda_layer(g, inp_rs, il: int, w: dict, cur: mg.Tensor, n_head: int, head_dim: int,
@@ -77,7 +80,7 @@ def build_kda_layer(g, inp_rs, il: int, w: dict, cur: mg.Tensor, n_head: int, he
     return mg.mul_mat(w["attn_output"], o)                    # [n_embd, n_tokens]
 
 
-class KDAModel:
+class KDAModel(RecurrentModel):
     """A tiny Kimi-Linear with KDA blocks only and dense FFNs, seeded random weights.
 
     Defaults: d_model 64, 2 blocks, vocab 64, 2 heads of 16 (d_inner 32), d_conv 4, FFN 96:
@@ -85,8 +88,8 @@ class KDAModel:
     constructor's structural arguments; `gguf_tensors()` the weights by GGUF name."""
 
     arch = "kimi-linear"
-    supports_rollback = True
-    causal = True
+    residual_first = True
+    layer_output_names = ("mixer", "l_out")
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96,
                  eps=1e-5, n_ctx_train=4096, devices=None, seed=0, layer_outputs=False):
@@ -94,55 +97,41 @@ class KDAModel:
         the embedding, final norm and output head live on the last device (the host).
         layer_outputs: also return each block's mixer output 'mixer.{il}' and block output
         'l_out.{il}' ([n_embd, n_tokens]; tests)."""
-        self.hparams = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                            head_dim=head_dim, d_conv=d_conv, n_ff=n_ff, eps=float(eps),
-                            n_ctx_train=n_ctx_train)
-        self.n_vocab, self.n_embd, self.n_layer = n_vocab, n_embd, n_layer
+        super().__init__(dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                              head_dim=head_dim, d_conv=d_conv, n_ff=n_ff, eps=float(eps),
+                              n_ctx_train=n_ctx_train),
+                         devices, layer_outputs)
         self.n_head, self.head_dim, self.d_conv, self.n_ff = n_head, head_dim, d_conv, n_ff
         self.d_inner = n_head * head_dim
         self.eps = float(eps)
-        self.layer_devices = layer_device_list(devices, n_layer)
-        self.host = self.layer_devices[-1]
-        self.layers = list(range(n_layer))
-        self.layer_outputs = layer_outputs
-        self._named: dict[str, mg.Tensor] = {}
-        rng = np.random.default_rng(seed)
-        E, V, H, hd, di = n_embd, n_vocab, n_head, head_dim, self.d_inner
+        self.make_weights(seed)
 
-        mk = WeightMaker(rng, self._named)
-        self.tok_embd = mk("token_embd.weight", (E, V), 1.0)
-        self.out_norm = mk("output_norm.weight", (E,), 0.1, 1.0)
-        self.output = mk("output.weight", (E, V), 1 / np.sqrt(E))
-        mk.place(self.host)
-        self.layer_w = []
-        for il in self.layers:
-            p = f"blk.{il}."
-            mk = WeightMaker(rng, self._named)
-            # A = exp(A_log), A_log uniform in [log 0.2, log 2]: moderate decay per head
-            A = np.exp(rng.uniform(np.log(0.2), np.log(2.0), (H, 1)))
-            # dt bias: softplus(dt_bias) in [0.1, 1]
-            dt = rng.uniform(0.1, 1.0, di)
-            lw = {
-                "attn_norm": mk(p + "attn_norm.weight", (E,), 0.1, 1.0),
-                "attn_q": mk(p + "attn_q.weight", (E, di), 1 / np.sqrt(E)),
-                "attn_k": mk(p + "attn_k.weight", (E, di), 1 / np.sqrt(E)),
-                "attn_v": mk(p + "attn_v.weight", (E, di), 1 / np.sqrt(E)),
-                "conv_q": mk(p + "ssm_conv1d_q.weight", (d_conv, 1, di), 1 / np.sqrt(d_conv)),
-                "conv_k": mk(p + "ssm_conv1d_k.weight", (d_conv, 1, di), 1 / np.sqrt(d_conv)),
-                "conv_v": mk(p + "ssm_conv1d_v.weight", (d_conv, 1, di), 1 / np.sqrt(d_conv)),
-                "ssm_f_a": mk(p + "ssm_f_a.weight", (E, hd), 1 / np.sqrt(E)),
-                "ssm_f_b": mk(p + "ssm_f_b.weight", (hd, di), 0.5 / np.sqrt(hd)),
-                "ssm_dt_b": mk.fixed(p + "ssm_dt.bias", (di,), np.log(np.expm1(dt))),
-                "ssm_a": mk.fixed(p + "ssm_a", (1, H), -A),
-                "ssm_beta": mk(p + "ssm_beta.weight", (E, H), 1 / np.sqrt(E)),
-                "ssm_g_a": mk(p + "ssm_g_a.weight", (E, hd), 1 / np.sqrt(E)),
-                "ssm_g_b": mk(p + "ssm_g_b.weight", (hd, di), 1 / np.sqrt(hd)),
-                "ssm_norm": mk(p + "ssm_norm.weight", (hd,), 0.1, 1.0),
-                "attn_output": mk(p + "attn_output.weight", (di, E), 1 / np.sqrt(di)),
-            }
-            lw.update(make_ffn(mk, il, E, n_ff))
-            mk.place(self.layer_devices[il])
-            self.layer_w.append(lw)
+    def layer_weights(self, mk, il):
+        E, H, hd, di, dc, p = self.n_embd, self.n_head, self.head_dim, self.d_inner, self.d_conv, f"blk.{il}."
+        # A = exp(A_log), A_log uniform in [log 0.2, log 2]: moderate decay per head
+        A = np.exp(mk.rng.uniform(np.log(0.2), np.log(2.0), (H, 1)))
+        # dt bias: softplus(dt_bias) in [0.1, 1]
+        dt = mk.rng.uniform(0.1, 1.0, di)
+        lw = {
+            "attn_norm": mk(p + "attn_norm.weight", (E,), 0.1, 1.0),
+            "attn_q": mk(p + "attn_q.weight", (E, di), 1 / np.sqrt(E)),
+            "attn_k": mk(p + "attn_k.weight", (E, di), 1 / np.sqrt(E)),
+            "attn_v": mk(p + "attn_v.weight", (E, di), 1 / np.sqrt(E)),
+            "conv_q": mk(p + "ssm_conv1d_q.weight", (dc, 1, di), 1 / np.sqrt(dc)),
+            "conv_k": mk(p + "ssm_conv1d_k.weight", (dc, 1, di), 1 / np.sqrt(dc)),
+            "conv_v": mk(p + "ssm_conv1d_v.weight", (dc, 1, di), 1 / np.sqrt(dc)),
+            "ssm_f_a": mk(p + "ssm_f_a.weight", (E, hd), 1 / np.sqrt(E)),
+            "ssm_f_b": mk(p + "ssm_f_b.weight", (hd, di), 0.5 / np.sqrt(hd)),
+            "ssm_dt_b": mk.fixed(p + "ssm_dt.bias", (di,), np.log(np.expm1(dt))),
+            "ssm_a": mk.fixed(p + "ssm_a", (1, H), -A),
+            "ssm_beta": mk(p + "ssm_beta.weight", (E, H), 1 / np.sqrt(E)),
+            "ssm_g_a": mk(p + "ssm_g_a.weight", (E, hd), 1 / np.sqrt(E)),
+            "ssm_g_b": mk(p + "ssm_g_b.weight", (hd, di), 1 / np.sqrt(hd)),
+            "ssm_norm": mk(p + "ssm_norm.weight", (hd,), 0.1, 1.0),
+            "attn_output": mk(p + "attn_output.weight", (di, E), 1 / np.sqrt(di)),
+        }
+        lw.update(self.ffn_weights(mk, il, self.n_ff))
+        return lw
 
     # memory sizes (REFERENCE §2.1): three conv histories (Q, K, V); one head_dim^2 state per head
     def n_embd_r(self, il):
@@ -151,35 +140,8 @@ class KDAModel:
     def n_embd_s(self, il):
         return self.head_dim * self.head_dim * self.n_head
 
-    def gguf_tensors(self) -> dict:
-        """{GGUF tensor name: tensor}; each tensor's ne (trailing 1s dropped) is llama.cpp's shape."""
-        return dict(self._named)
-
-    def build(self, g) -> dict:
-        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_tokens]} (and, with
-        layer_outputs, 'mixer.{il}' and 'l_out.{il}': [n_embd, n_tokens] per block)."""
-        outs = {}
-        tokens = g.build_inp_tokens()
-        inp_rs = g.build_inp_rs()
-        h = mg.get_rows(self.tok_embd, tokens)                            # [n_embd, n_tokens]
-        for il in self.layers:
-            w = self.layer_w[il]
-            cur = build_norm(h, w["attn_norm"], self.eps)                 # [n_embd, n_tokens]
-            cur = build_kda_layer(g, inp_rs, il, w, cur, self.n_head, self.head_dim, self.d_conv, self.eps)
-            if self.layer_outputs:
-                outs[f"mixer.{il}"] = cur.set_name(f"mixer.{il}").set_output()
-            h = mg.add(h, cur)                                            # [n_embd, n_tokens]
-            cur = build_ffn(build_norm(h, w["ffn_norm"], self.eps), w)    # [n_embd, n_tokens]
-            h = mg.add(h, cur)
-            if self.layer_outputs:
-                outs[f"l_out.{il}"] = h.set_name(f"l_out.{il}").set_output()
-        h = build_norm(h, self.out_norm, self.eps)                        # [n_embd, n_tokens]
-        logits = mg.mul_mat(self.output, h).set_name("logits").set_output()   # [n_vocab, n_tokens]
-        g.gf.build_forward_expand(logits)
-        for t in outs.values():
-            g.gf.build_forward_expand(t)
-        outs["logits"] = logits
-        return outs
+    def build_layer(self, g, inp_rs, cur, il):
+        return build_kda_layer(g, inp_rs, il, self.layer_w[il], cur, self.n_head, self.head_dim, self.d_conv, self.eps)
 
 
 KdaModel = KDAModel

@@ -9,8 +9,8 @@ is the conv input; its history of L-1 columns lives in the layer's r cache and i
 GraphContext.build_conv_state_store (n_cols = L-1); conv_out = ssm_conv(history ++ b*x, conv);
 y = out_proj(c * conv_out). No s state.
 
-The helpers at the bottom (weight creation on a device, RMS norm, SwiGLU FFN, device lists) are
-shared with models/kda.py.
+The scaffolding around the mixer (devices, seeded weights, `hparams` and `gguf_tensors()` for
+models.gguf_io, the whole-model graph with its SwiGLU FFN) is models.base.RecurrentModel's.
 """
 from __future__ import annotations
 
@@ -18,76 +18,8 @@ import numpy as np
 
 import minigraph as mg
 
+from .base import RecurrentModel
 
-# ---------------------------------------------------------------------------------------------
-# shared helpers (models/kda.py uses them too)
-
-def layer_device_list(devices, n_layer: int) -> list:
-    """None -> cpu for every layer; one backend -> that backend everywhere; a list -> one per layer."""
-    if devices is None:
-        return [mg.backend("cpu")] * n_layer
-    if isinstance(devices, mg.Backend):
-        return [devices] * n_layer
-    devices = list(devices)
-    if len(devices) != n_layer:
-        raise ValueError(f"devices: need one backend per layer ({n_layer}), got {len(devices)}")
-    return devices
-
-
-class WeightMaker:
-    """Creates f32 weights in one context with seeded random values; `place(dev)` allocates the
-    context on the device and writes the values there (weights are created on their device)."""
-
-    def __init__(self, rng: np.random.Generator, named: dict):
-        self.rng = rng
-        self.ctx = mg.Context()
-        self.values = []
-        self.named = named           # gguf name -> tensor, filled as weights are made
-
-    def __call__(self, name: str, ne, scale: float, mean: float = 0.0) -> mg.Tensor:
-        t = self.ctx.new_tensor(mg.f32, tuple(ne)).set_name(name)
-        t.set_weight()
-        arr = (mean + scale * self.rng.standard_normal(tuple(reversed(t.ne)))).astype(np.float32)
-        self.values.append((t, arr))
-        self.named[name] = t
-        return t
-
-    def fixed(self, name: str, ne, arr) -> mg.Tensor:
-        t = self.ctx.new_tensor(mg.f32, tuple(ne)).set_name(name)
-        t.set_weight()
-        self.values.append((t, np.asarray(arr, np.float32).reshape(tuple(reversed(t.ne)))))
-        self.named[name] = t
-        return t
-
-    def place(self, dev) -> None:
-        mg.alloc_ctx_tensors(self.ctx, dev)
-        for t, arr in self.values:
-            t.set(arr)
-
-
-def build_norm(x: mg.Tensor, w: mg.Tensor, eps: float) -> mg.Tensor:
-    """RMS norm over dim 0 times the weight (llama.cpp's build_norm with LLM_NORM_RMS)."""
-    return mg.mul(mg.rms_norm(x, eps), w)
-
-
-def build_ffn(x: mg.Tensor, w: dict) -> mg.Tensor:
-    """SwiGLU: down(silu(gate x) * up x).  x [n_embd, n_tokens] -> [n_embd, n_tokens]."""
-    gate = mg.silu(mg.mul_mat(w["ffn_gate"], x))             # [n_ff, n_tokens]
-    up = mg.mul_mat(w["ffn_up"], x)                          # [n_ff, n_tokens]
-    return mg.mul_mat(w["ffn_down"], mg.mul(gate, up))       # [n_embd, n_tokens]
-
-
-def make_ffn(mk: WeightMaker, il: int, n_embd: int, n_ff: int) -> dict:
-    return {
-        "ffn_norm": mk(f"blk.{il}.ffn_norm.weight", (n_embd,), 0.1, 1.0),
-        "ffn_gate": mk(f"blk.{il}.ffn_gate.weight", (n_embd, n_ff), 1 / np.sqrt(n_embd)),
-        "ffn_up": mk(f"blk.{il}.ffn_up.weight", (n_embd, n_ff), 1 / np.sqrt(n_embd)),
-        "ffn_down": mk(f"blk.{il}.ffn_down.weight", (n_ff, n_embd), 1 / np.sqrt(n_ff)),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# the short-conv layer
 
 def build_shortconv_layer(g, inp_rs, r: mg.Tensor, w: dict, cur: mg.Tensor, n_embd: int,
                           l_cache: int) -> mg.Tensor:
@@ -114,7 +46,7 @@ def build_shortconv_layer(g, inp_rs, r: mg.Tensor, w: dict, cur: mg.Tensor, n_em
     return mg.reshape_2d(y, n_embd, T * S)                   # [n_embd, n_tokens]
 
 
-class LFM2Model:
+class LFM2Model(RecurrentModel):
     """A tiny LFM2 (short-conv blocks only) with seeded random weights.
 
     Defaults: d_model 64, 2 blocks, vocab 64, kernel L = 3 (2 history columns), FFN 128:
@@ -122,8 +54,8 @@ class LFM2Model:
     (what models.gguf_io writes and reads back); `gguf_tensors()` the weights by GGUF name."""
 
     arch = "lfm2"
-    supports_rollback = True
-    causal = True
+    residual_first = True                    # llama.cpp's lfm2: add(prev_cur, cur)
+    layer_output_names = ("mixer", "l_out")
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, l_cache=3, n_ff=128, n_head=4, eps=1e-5,
                  n_ctx_train=4096, devices=None, seed=0, layer_outputs=False):
@@ -133,34 +65,22 @@ class LFM2Model:
         'l_out.{il}' ([n_embd, n_tokens]; tests)."""
         if l_cache < 2:
             raise ValueError(f"lfm2: shortconv.l_cache must be > 1, got {l_cache}")
-        self.hparams = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, l_cache=l_cache,
-                            n_ff=n_ff, n_head=n_head, eps=float(eps), n_ctx_train=n_ctx_train)
-        self.n_vocab, self.n_embd, self.n_layer, self.l_cache = n_vocab, n_embd, n_layer, l_cache
-        self.n_ff, self.eps = n_ff, float(eps)
-        self.layer_devices = layer_device_list(devices, n_layer)
-        self.host = self.layer_devices[-1]
-        self.layers = list(range(n_layer))
-        self.layer_outputs = layer_outputs
-        self._named: dict[str, mg.Tensor] = {}
-        rng = np.random.default_rng(seed)
+        super().__init__(dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, l_cache=l_cache,
+                              n_ff=n_ff, n_head=n_head, eps=float(eps), n_ctx_train=n_ctx_train),
+                         devices, layer_outputs)
+        self.l_cache, self.n_ff, self.eps = l_cache, n_ff, float(eps)
+        self.make_weights(seed, out_norm="token_embd_norm")   # llama.cpp's output_norm for lfm2
 
-        mk = WeightMaker(rng, self._named)
-        self.tok_embd = mk("token_embd.weight", (n_embd, n_vocab), 1.0)
-        self.out_norm = mk("token_embd_norm.weight", (n_embd,), 0.1, 1.0)
-        self.output = mk("output.weight", (n_embd, n_vocab), 1 / np.sqrt(n_embd))
-        mk.place(self.host)
-        self.layer_w = []
-        for il in self.layers:
-            mk = WeightMaker(rng, self._named)
-            lw = {
-                "attn_norm": mk(f"blk.{il}.attn_norm.weight", (n_embd,), 0.1, 1.0),
-                "in_proj": mk(f"blk.{il}.shortconv.in_proj.weight", (n_embd, 3 * n_embd), 1 / np.sqrt(n_embd)),
-                "conv": mk(f"blk.{il}.shortconv.conv.weight", (l_cache, n_embd), 1 / np.sqrt(l_cache)),
-                "out_proj": mk(f"blk.{il}.shortconv.out_proj.weight", (n_embd, n_embd), 1 / np.sqrt(n_embd)),
-            }
-            lw.update(make_ffn(mk, il, n_embd, n_ff))
-            mk.place(self.layer_devices[il])
-            self.layer_w.append(lw)
+    def layer_weights(self, mk, il):
+        E, L, p = self.n_embd, self.l_cache, f"blk.{il}."
+        lw = {
+            "attn_norm": mk(p + "attn_norm.weight", (E,), 0.1, 1.0),
+            "in_proj": mk(p + "shortconv.in_proj.weight", (E, 3 * E), 1 / np.sqrt(E)),
+            "conv": mk(p + "shortconv.conv.weight", (L, E), 1 / np.sqrt(L)),
+            "out_proj": mk(p + "shortconv.out_proj.weight", (E, E), 1 / np.sqrt(E)),
+        }
+        lw.update(self.ffn_weights(mk, il, self.n_ff))
+        return lw
 
     # memory sizes (REFERENCE §2.1): L-1 history columns per channel, no s state
     def n_embd_r(self, il):
@@ -169,35 +89,8 @@ class LFM2Model:
     def n_embd_s(self, il):
         return 0
 
-    def gguf_tensors(self) -> dict:
-        """{GGUF tensor name: tensor}; each tensor's ne (trailing 1s dropped) is llama.cpp's shape."""
-        return dict(self._named)
-
-    def build(self, g) -> dict:
-        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_tokens]} (and, with
-        layer_outputs, 'mixer.{il}' and 'l_out.{il}': [n_embd, n_tokens] per block)."""
-        outs = {}
-        tokens = g.build_inp_tokens()
-        inp_rs = g.build_inp_rs()
-        h = mg.get_rows(self.tok_embd, tokens)                            # [n_embd, n_tokens]
-        for il in self.layers:
-            w = self.layer_w[il]
-            cur = build_norm(h, w["attn_norm"], self.eps)                 # [n_embd, n_tokens]
-            cur = build_shortconv_layer(g, inp_rs, g.mctx.r_l[il], w, cur, self.n_embd, self.l_cache)
-            if self.layer_outputs:
-                outs[f"mixer.{il}"] = cur.set_name(f"mixer.{il}").set_output()
-            h = mg.add(h, cur)                                            # [n_embd, n_tokens]
-            cur = build_ffn(build_norm(h, w["ffn_norm"], self.eps), w)    # [n_embd, n_tokens]
-            h = mg.add(h, cur)
-            if self.layer_outputs:
-                outs[f"l_out.{il}"] = h.set_name(f"l_out.{il}").set_output()
-        h = build_norm(h, self.out_norm, self.eps)                        # [n_embd, n_tokens]
-        logits = mg.mul_mat(self.output, h).set_name("logits").set_output()   # [n_vocab, n_tokens]
-        g.gf.build_forward_expand(logits)
-        for t in outs.values():
-            g.gf.build_forward_expand(t)
-        outs["logits"] = logits
-        return outs
+    def build_layer(self, g, inp_rs, cur, il):
+        return build_shortconv_layer(g, inp_rs, g.mctx.r_l[il], self.layer_w[il], cur, self.n_embd, self.l_cache)
 
 
 LfmModel = LFM2Model

@@ -7,13 +7,15 @@ SSM state is read by `ssm_scan` directly from the cache rows (build_rs's get_sta
 and its K snapshots are stored with `build_state_store`. K = n_rs_seq + 1.
 
 Weights use llama.cpp's GGUF tensor names (`blk.N.ssm_in.weight`, ...) and ggml `ne` shapes;
-the model takes part in models.gguf_io through `hparams` (its structural constructor arguments)
-and `gguf_tensors()` (GGUF name -> tensor)."""
+the scaffolding around the mixer (devices, seeded weights, `hparams` and `gguf_tensors()` for
+models.gguf_io, the whole-model graph) is models.base.RecurrentModel's."""
 from __future__ import annotations
 
 import numpy as np
 
 import minigraph as mg
+
+from .base import RecurrentModel
 
 
 def build_mamba2_layer(g, inp_rs, cur, il: int, w: dict, hp: "Mamba2Model") -> mg.Tensor:
@@ -92,14 +94,12 @@ def build_mamba2_layer(g, inp_rs, cur, il: int, w: dict, hp: "Mamba2Model") -> m
     return mg.reshape_2d(cur, cur.ne[0], n_seq_tokens * n_seqs)                          # [n_embd, n_tokens]
 
 
-class Mamba2Model:
+class Mamba2Model(RecurrentModel):
     """A tiny Mamba-2 with seeded random weights.
 
     Defaults: d_model 64, 2 layers, vocab 64, d_conv 4, d_inner 128 (expand 2), d_state 16,
     8 heads of 16, 2 groups: conv channels 192, n_embd_r 576, n_embd_s 2048 per layer."""
     arch = "mamba2"
-    supports_rollback = True
-    causal = True
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, d_conv=4, d_inner=128, d_state=16,
                  n_head=8, n_group=2, eps=1e-5, devices=None, seed=0, layer_outputs=False):
@@ -108,77 +108,36 @@ class Mamba2Model:
         layer_outputs: also return each layer's residual output as 'l_out.{il}' (tests)."""
         if d_inner % n_head or n_head % n_group or d_inner % n_group:
             raise ValueError("mamba2: d_inner must divide into n_head heads and n_head into n_group groups")
-        self.n_vocab, self.n_embd, self.n_layer = n_vocab, n_embd, n_layer
+        super().__init__(dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, d_inner=d_inner,
+                              d_state=d_state, n_head=n_head, n_group=n_group, eps=float(eps)),
+                         devices, layer_outputs)
         self.d_conv, self.d_inner, self.d_state = d_conv, d_inner, d_state
         self.n_head, self.n_group, self.head_dim = n_head, n_group, d_inner // n_head
         self.conv_channels = d_inner + 2 * n_group * d_state
         self.d_in_proj = 2 * d_inner + 2 * n_group * d_state + n_head
         self.eps = eps
-        self.layer_outputs = layer_outputs
-        if devices is None:
-            devices = [mg.backend("cpu")] * n_layer
-        elif isinstance(devices, mg.Backend):
-            devices = [devices] * n_layer
-        if len(devices) != n_layer:
-            raise ValueError(f"mamba2: {len(devices)} devices for {n_layer} layers")
-        self.layer_devices = list(devices)
-        self.host = self.layer_devices[-1]
-        self.layers = list(range(n_layer))
-        self.hparams = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, d_inner=d_inner,
-                            d_state=d_state, n_head=n_head, n_group=n_group, eps=float(eps))
-        self._values: dict[str, np.ndarray] = {}    # gguf name -> initial values (NumPy order)
-        self._named: dict[str, mg.Tensor] = {}      # gguf name -> tensor
-        rng = np.random.default_rng(seed)
-        E, V = n_embd, n_vocab
+        self.make_weights(seed)
 
-        host_ctx = mg.Context()
-        self.tok_embd = self._w(host_ctx, "token_embd.weight", (E, V), rng, 1.0)
-        self.out_norm = self._w(host_ctx, "output_norm.weight", (E,), rng, 0.1, 1.0)
-        self.output = self._w(host_ctx, "output.weight", (E, V), rng, 1 / np.sqrt(E))
-        mg.alloc_ctx_tensors(host_ctx, self.host)
-
-        self.layer_w = []
-        for il in self.layers:
-            c = mg.Context()
-            p = f"blk.{il}."
-            ssm_in = self._init(rng, (E, self.d_in_proj), 1 / np.sqrt(E))
-            ssm_in[-n_head:] *= 0.25                                  # dt rows: dt stays near its bias
-            # dt bias = softplus^-1(dt0), dt0 log-uniform in [0.02, 0.2] (Mamba-2 inits [1e-3, 0.1]);
-            # not smaller: ggml's f32 softplus log(1 + exp(x)) loses ~6e-8 absolute, i.e. 1e-5
-            # relative at dt ~ 6e-3, and dt scales the state update linearly
-            dt0 = np.exp(rng.uniform(np.log(0.02), np.log(0.2), n_head))
-            lw = {
-                "attn_norm": self._w(c, p + "attn_norm.weight", (E,), rng, 0.1, 1.0),
-                "ssm_in": self._w(c, p + "ssm_in.weight", (E, self.d_in_proj), arr=ssm_in),
-                "ssm_conv1d": self._w(c, p + "ssm_conv1d.weight", (d_conv, self.conv_channels), rng, 1 / np.sqrt(d_conv)),
-                "ssm_conv1d_b": self._w(c, p + "ssm_conv1d.bias", (self.conv_channels,), rng, 0.1),
-                "ssm_dt_b": self._w(c, p + "ssm_dt.bias", (n_head,), arr=dt0 + np.log(-np.expm1(-dt0))),
-                # A = -exp(A_log), A_log uniform in [0, log 16]: stored already negative
-                "ssm_a": self._w(c, p + "ssm_a", (1, n_head), arr=-np.exp(rng.uniform(0, np.log(16), (n_head, 1)))),
-                "ssm_d": self._w(c, p + "ssm_d", (1, n_head), rng, 0.1, 1.0),
-                "ssm_norm": self._w(c, p + "ssm_norm.weight", (d_inner // n_group, n_group), rng, 0.1, 1.0),
-                "ssm_out": self._w(c, p + "ssm_out.weight", (d_inner, E), rng, 1 / np.sqrt(d_inner)),
-            }
-            mg.alloc_ctx_tensors(c, self.layer_devices[il])
-            self.layer_w.append(lw)
-        for name, t in self._named.items():
-            t.set(self._values.pop(name))
-
-    @staticmethod
-    def _init(rng, ne, scale, mean=0.0):
-        return mean + scale * rng.standard_normal(tuple(reversed(ne)))
-
-    def _w(self, ctx, name, ne, rng=None, scale=1.0, mean=0.0, arr=None):
-        t = ctx.new_tensor(mg.f32, ne).set_name(name).set_weight()
-        if arr is None:
-            arr = self._init(rng, ne, scale, mean)
-        self._values[name] = np.asarray(arr, np.float32).reshape(tuple(reversed(ne)))
-        self._named[name] = t
-        return t
-
-    def gguf_tensors(self) -> dict:
-        """{GGUF tensor name: tensor}; each tensor's ne (trailing 1s dropped) is llama.cpp's shape."""
-        return dict(self._named)
+    def layer_weights(self, mk, il):
+        E, n_head, p = self.n_embd, self.n_head, f"blk.{il}."
+        ssm_in = mk.normal((E, self.d_in_proj), 1 / np.sqrt(E))
+        ssm_in[-n_head:] *= 0.25                                  # dt rows: dt stays near its bias
+        # dt bias = softplus^-1(dt0), dt0 log-uniform in [0.02, 0.2] (Mamba-2 inits [1e-3, 0.1]);
+        # not smaller: ggml's f32 softplus log(1 + exp(x)) loses ~6e-8 absolute, i.e. 1e-5
+        # relative at dt ~ 6e-3, and dt scales the state update linearly
+        dt0 = np.exp(mk.rng.uniform(np.log(0.02), np.log(0.2), n_head))
+        return {
+            "attn_norm": mk(p + "attn_norm.weight", (E,), 0.1, 1.0),
+            "ssm_in": mk.fixed(p + "ssm_in.weight", (E, self.d_in_proj), ssm_in),
+            "ssm_conv1d": mk(p + "ssm_conv1d.weight", (self.d_conv, self.conv_channels), 1 / np.sqrt(self.d_conv)),
+            "ssm_conv1d_b": mk(p + "ssm_conv1d.bias", (self.conv_channels,), 0.1),
+            "ssm_dt_b": mk.fixed(p + "ssm_dt.bias", (n_head,), dt0 + np.log(-np.expm1(-dt0))),
+            # A = -exp(A_log), A_log uniform in [0, log 16]: stored already negative
+            "ssm_a": mk.fixed(p + "ssm_a", (1, n_head), -np.exp(mk.rng.uniform(0, np.log(16), (n_head, 1)))),
+            "ssm_d": mk(p + "ssm_d", (1, n_head), 0.1, 1.0),
+            "ssm_norm": mk(p + "ssm_norm.weight", (self.d_inner // self.n_group, self.n_group), 0.1, 1.0),
+            "ssm_out": mk(p + "ssm_out.weight", (self.d_inner, E), 1 / np.sqrt(self.d_inner)),
+        }
 
     # memory sizes: conv history of d_conv-1 columns per conv channel; SSM state d_state x d_inner
     def n_embd_r(self, il):
@@ -187,23 +146,5 @@ class Mamba2Model:
     def n_embd_s(self, il):
         return self.d_state * self.d_inner
 
-    def build(self, g) -> dict:
-        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_tokens]} (and 'l_out.{il}'
-        [n_embd, n_tokens] per layer with layer_outputs)."""
-        out = {}
-        tokens = g.build_inp_tokens()
-        inp_rs = g.build_inp_rs()
-        inpL = mg.get_rows(self.tok_embd, tokens)                            # [n_embd, n_tokens]
-        for il in self.layers:
-            w = self.layer_w[il]
-            cur = mg.mul(mg.rms_norm(inpL, self.eps), w["attn_norm"])        # [n_embd, n_tokens]
-            cur = build_mamba2_layer(g, inp_rs, cur, il, w, self)            # [n_embd, n_tokens]
-            inpL = mg.add(cur, inpL)                                         # residual
-            if self.layer_outputs:
-                out[f"l_out.{il}"] = inpL.set_name(f"l_out.{il}").set_output()
-                g.gf.build_forward_expand(inpL)
-        cur = mg.mul(mg.rms_norm(inpL, self.eps), self.out_norm)             # [n_embd, n_tokens]
-        logits = mg.mul_mat(self.output, cur).set_name("logits").set_output()   # [n_vocab, n_tokens]
-        g.gf.build_forward_expand(logits)
-        out["logits"] = logits
-        return out
+    def build_layer(self, g, inp_rs, cur, il):
+        return build_mamba2_layer(g, inp_rs, cur, il, self.layer_w[il], self)

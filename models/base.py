@@ -1,0 +1,181 @@
+"""What the recurrent models (mamba2, delta_net, lfm, kda and the toy) share: devices per layer,
+seeded weights made on their device, GGUF names, and the whole-model graph around a per-model
+mixer:
+
+    tokens -> get_rows(tok_embd)                                          [n_embd, n_tokens]
+    per layer il: RMS norm x attn_norm -> build_layer(g, inp_rs, cur, il) -> residual add
+                  [-> RMS norm x ffn_norm -> SwiGLU FFN -> residual add]  (layers with ffn_norm)
+    -> RMS norm x out_norm -> output head -> 'logits'                     [n_vocab, n_tokens]
+
+A model subclasses RecurrentModel: it passes its `hparams` (structural constructor arguments,
+what models.gguf_io writes and reads back) to __init__, sets its own sizes and `eps`, calls
+make_weights(seed), and defines layer_weights(mk, il) (its weight list), build_layer (its mixer)
+and n_embd_r / n_embd_s (its memory sizes)."""
+from __future__ import annotations
+
+import numpy as np
+
+import minigraph as mg
+
+
+def layer_device_list(devices, n_layer: int, arch: str) -> list:
+    """None -> cpu for every layer; one backend -> that backend everywhere; a list -> one per layer."""
+    if devices is None:
+        return [mg.backend("cpu")] * n_layer
+    if isinstance(devices, mg.Backend):
+        return [devices] * n_layer
+    devices = list(devices)
+    if len(devices) != n_layer:
+        raise ValueError(f"{arch}: {len(devices)} devices for {n_layer} layers (need one backend per layer)")
+    return devices
+
+
+class WeightMaker:
+    """Makes one device's f32 weights: tensors are created in one context and their seeded values
+    kept aside; place(dev) allocates the context on the device and writes the values there."""
+
+    def __init__(self, rng: np.random.Generator, named: dict, mark_weights: bool = True):
+        self.rng = rng
+        self.named = named               # gguf name -> tensor, filled as weights are made
+        self.mark_weights = mark_weights
+        self.ctx = mg.Context()
+        self.values = []                 # (tensor, values in NumPy order) until place()
+
+    def normal(self, ne, scale: float, mean: float = 0.0) -> np.ndarray:
+        """mean + scale * N(0, 1) in NumPy order, float64 (a model may adjust it, then fixed())."""
+        return mean + scale * self.rng.standard_normal(tuple(reversed(ne)))
+
+    def __call__(self, name: str, ne, scale: float, mean: float = 0.0) -> mg.Tensor:
+        """A weight of seeded random values mean + scale * N(0, 1)."""
+        return self.fixed(name, ne, self.normal(ne, scale, mean))
+
+    def fixed(self, name: str, ne, arr) -> mg.Tensor:
+        """A weight with the given values (NumPy order, rounded to f32)."""
+        t = self.ctx.new_tensor(mg.f32, tuple(ne)).set_name(name)
+        if self.mark_weights:
+            t.set_weight()
+        self.values.append((t, np.asarray(arr, np.float32).reshape(tuple(reversed(t.ne)))))
+        self.named[name] = t
+        return t
+
+    def place(self, dev) -> None:
+        mg.alloc_ctx_tensors(self.ctx, dev)
+        for t, arr in self.values:
+            t.set(arr)
+        self.values = []
+
+
+def build_norm(x: mg.Tensor, w: mg.Tensor | None, eps: float) -> mg.Tensor:
+    """RMS norm over dim 0 times the weight (llama.cpp's build_norm with LLM_NORM_RMS); w None:
+    the plain RMS norm."""
+    x = mg.rms_norm(x, eps)
+    return x if w is None else mg.mul(x, w)
+
+
+def build_ffn_swiglu(cur: mg.Tensor, w: dict) -> mg.Tensor:
+    """ffn_down @ (silu(ffn_gate @ cur) * (ffn_up @ cur)). cur: [n_embd, n_tokens]."""
+    gate = mg.mul_mat(w["ffn_gate"], cur)                                   # [n_ff, n_tokens]
+    up = mg.mul_mat(w["ffn_up"], cur)                                       # [n_ff, n_tokens]
+    return mg.mul_mat(w["ffn_down"], mg.mul(mg.silu(gate), up))             # [n_embd, n_tokens]
+
+
+class RecurrentModel:
+    """Base of the recurrent models: see the module docstring. After __init__ a model has
+    n_vocab, n_embd, n_layer, hparams, layers, layer_devices, host (the last layer's device:
+    embedding, final norm and output head live there), and after make_weights tok_embd,
+    out_norm, output and layer_w (each layer's weights by short name)."""
+
+    arch = "?"
+    supports_rollback = True
+    causal = True
+    # operand order of the residual adds: add(cur, residual) (mamba2, qwen35) or add(residual, cur)
+    # (lfm2 as llama.cpp writes it, kda, toy); the same values, but ADD's split rules on a meta
+    # device read src0 first, so each model keeps its graph as written
+    residual_first = False
+    # with layer_outputs, build() also returns these per layer: 'mixer.{il}' (the mixer's
+    # output) and/or 'l_out.{il}' (the block's output), [n_embd, n_tokens] each (tests)
+    layer_output_names = ("l_out",)
+
+    def __init__(self, hparams: dict, devices=None, layer_outputs: bool = False):
+        """hparams: the structural constructor arguments (n_vocab, n_embd, n_layer, ...);
+        devices: None (everything on cpu), one backend, or a list with one backend per layer."""
+        self.hparams = hparams
+        self.n_vocab, self.n_embd, self.n_layer = hparams["n_vocab"], hparams["n_embd"], hparams["n_layer"]
+        self.layer_devices = layer_device_list(devices, self.n_layer, self.arch)
+        self.host = self.layer_devices[-1]
+        self.layers = list(range(self.n_layer))
+        self.layer_outputs = layer_outputs
+        self._named: dict[str, mg.Tensor] = {}      # gguf name -> tensor
+
+    # -- weights ---------------------------------------------------------------------------------
+    def make_weights(self, seed: int, out_norm: str = "output_norm", suffix: str = ".weight",
+                     mark_weights: bool = True) -> None:
+        """Seeded weights, drawn in a fixed order: embedding, final norm and output head on the
+        host, then each layer's layer_weights(mk, il) on that layer's device."""
+        rng = np.random.default_rng(seed)
+        E, V = self.n_embd, self.n_vocab
+        mk = WeightMaker(rng, self._named, mark_weights)
+        self.tok_embd = mk("token_embd" + suffix, (E, V), 1.0)
+        self.out_norm = mk(out_norm + suffix, (E,), 0.1, 1.0)
+        self.output = mk("output" + suffix, (E, V), 1 / np.sqrt(E))
+        mk.place(self.host)
+        self.layer_w = []
+        for il in self.layers:
+            mk = WeightMaker(rng, self._named, mark_weights)
+            self.layer_w.append(self.layer_weights(mk, il))
+            mk.place(self.layer_devices[il])
+
+    def layer_weights(self, mk: WeightMaker, il: int) -> dict:
+        """Layer il's weights by short name, made with mk (the model's own list)."""
+        raise NotImplementedError
+
+    def ffn_weights(self, mk: WeightMaker, il: int, n_ff: int, norm: str = "ffn_norm") -> dict:
+        """The SwiGLU FFN's weights and its pre-norm (GGUF name blk.{il}.{norm}.weight)."""
+        E = self.n_embd
+        return {
+            "ffn_norm": mk(f"blk.{il}.{norm}.weight", (E,), 0.1, 1.0),
+            "ffn_gate": mk(f"blk.{il}.ffn_gate.weight", (E, n_ff), 1 / np.sqrt(E)),
+            "ffn_up": mk(f"blk.{il}.ffn_up.weight", (E, n_ff), 1 / np.sqrt(E)),
+            "ffn_down": mk(f"blk.{il}.ffn_down.weight", (n_ff, E), 1 / np.sqrt(n_ff)),
+        }
+
+    def gguf_tensors(self) -> dict:
+        """{GGUF tensor name: tensor}; each tensor's ne (trailing 1s dropped) is llama.cpp's shape."""
+        return dict(self._named)
+
+    # -- graph -----------------------------------------------------------------------------------
+    def build_layer(self, g, inp_rs, cur: mg.Tensor, il: int) -> mg.Tensor:
+        """Layer il's mixer. cur: the normed input [n_embd, n_tokens]. Returns [n_embd, n_tokens]."""
+        raise NotImplementedError
+
+    def residual(self, res: mg.Tensor, cur: mg.Tensor) -> mg.Tensor:
+        return mg.add(res, cur) if self.residual_first else mg.add(cur, res)
+
+    def _keep_layer_output(self, outs: dict, kind: str, il: int, t: mg.Tensor) -> None:
+        if self.layer_outputs and kind in self.layer_output_names:
+            outs[f"{kind}.{il}"] = t.set_name(f"{kind}.{il}").set_output()
+
+    def build(self, g) -> dict:
+        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_tokens]} (and, with
+        layer_outputs, the layer_output_names per layer)."""
+        outs = {}
+        tokens = g.build_inp_tokens()
+        inp_rs = g.build_inp_rs()
+        h = mg.get_rows(self.tok_embd, tokens)                              # [n_embd, n_tokens]
+        for il in self.layers:
+            w = self.layer_w[il]
+            cur = build_norm(h, w.get("attn_norm"), self.eps)               # [n_embd, n_tokens]
+            cur = self.build_layer(g, inp_rs, cur, il)                      # [n_embd, n_tokens]
+            self._keep_layer_output(outs, "mixer", il, cur)
+            h = self.residual(h, cur)
+            if "ffn_norm" in w:                                             # a layer with an FFN
+                cur = build_ffn_swiglu(build_norm(h, w["ffn_norm"], self.eps), w)
+                h = self.residual(h, cur)
+            self._keep_layer_output(outs, "l_out", il, h)
+        h = build_norm(h, self.out_norm, self.eps)                          # [n_embd, n_tokens]
+        logits = mg.mul_mat(self.output, h).set_name("logits").set_output()   # [n_vocab, n_tokens]
+        g.gf.build_forward_expand(logits)
+        for t in outs.values():          # computed even if nothing downstream reads them
+            g.gf.build_forward_expand(t)
+        outs["logits"] = logits
+        return outs
