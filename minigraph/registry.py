@@ -101,4 +101,6 @@ def build(name: str, ctx=None, /, **kwargs) -> Tensor:
 def writes_through(node: Tensor) -> bool:
     """A compute node that is a view writes into memory it does not own (cpy, set_rows,
     in-place ops): it must run where that memory lives and needs no allocation."""
-    return node.view_src is not None and not OPS[node.op].is_view if node.op != "NONE" else False
+    if node.op == "NONE" or node.view_src is None:
+        return False
+    return not OPS[node.op].is_view
