@@ -112,7 +112,11 @@ class HostBackend(Backend):
     """A backend whose memory is host RAM (ref, cpu:N): NumPy arrays of bytes."""
 
     def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
-        return Buffer(self, nbytes, usage, np.zeros(max(nbytes, 1), np.uint8))
+        # 64-byte aligned like ggml's buffers: the planner's 64-byte offsets then land on cache
+        # lines, which the CPU kernels' aligned and streaming stores rely on for speed
+        raw = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        return Buffer(self, nbytes, usage, raw[start:start + max(nbytes, 1)])
 
     def view(self, t: Tensor) -> np.ndarray:
         buf, offs = t.storage()

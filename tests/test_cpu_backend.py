@@ -208,6 +208,10 @@ BIG = {
     "mul_mat_vec": (lambda rng, b: mg.mul_mat(b.input(rng, mg.f32, (257, 130)), b.input(rng, mg.f32, (257, 1))), 1e-10),
     "ssm_conv_blocks": (lambda rng, b: mg.ssm_conv(b.input(rng, mg.f32, (3 + 150, 37, 2)), b.input(rng, mg.f32, (4, 37))), None),
     "ssm_conv_decode": (lambda rng, b: mg.ssm_conv(b.input(rng, mg.f32, (4, 4096, 4)), b.input(rng, mg.f32, (4, 4096))), None),
+    # n_t <= 8 (8x8 tiles, masked tail) with partial channel blocks; an output of >= 4 MiB
+    # (non-temporal stores, line-aligned channel blocks) with a time tail
+    "ssm_conv_short": (lambda rng, b: mg.ssm_conv(b.input(rng, mg.f32, (3 + 7, 45, 3)), b.input(rng, mg.f32, (4, 45))), None),
+    "ssm_conv_streamed": (lambda rng, b: mg.ssm_conv(b.input(rng, mg.f32, (3 + 300, 4096, 1)), b.input(rng, mg.f32, (4, 4096))), None),
     "cont_transposed": (lambda rng, b: mg.cont(b.input(rng, mg.f32, (130, 70, 2), "transposed")), None),
     "cont_transposed_f16": (lambda rng, b: mg.cont(b.input(rng, mg.f16, (65, 33), "transposed")), None),
     "cont_permuted": (lambda rng, b: mg.cont(b.input(rng, mg.f32, (20, 7, 6, 5), "permuted")), None),

@@ -9,10 +9,156 @@
  *   sx  = src[0] [d_conv-1+n_t, d_inner, n_s], rows dense (nb0 == 4, nb1 == ne0*4)
  *   c   = src[1] [d_conv, d_inner], nb0 == 4
  *   dst        [d_inner, n_t, n_s] contiguous
- * Vectorised over time inside a channel block, then written transposed (channels dense). */
+ * Jobs are (seq, block of CONV_CB channels, block of CONV_TB time steps), time blocks fastest.
+ * With AVX the conv runs along time (lanes = time steps, unaligned loads of x[t+k ..], the tap
+ * broadcast), one vector per channel, then a square tile is transposed in registers so each
+ * time step's channels are stored as one vector. Each lane still computes
+ * ((0 + x0*w0) + x1*w1) + ..., multiply and add rounded separately (no FMA), as the reference.
+ * Outputs of CONV_NT_BYTES or more (prefill: 8 MiB per sequence at 4096 channels x 512 tokens)
+ * are written with non-temporal stores: full aligned lines, no read-for-ownership of lines
+ * that are only overwritten (~1.6x faster than plain stores at n_t = 512, measured), at the
+ * price of leaving the output out of cache, like memcpy past its non-temporal threshold. */
 #define CONV_CB 16    /* channels per block */
-#define CONV_TB 64    /* time steps per block */
-#define CONV_KMAX 8   /* taps handled by the channel-vectorised path */
+#define CONV_TB 512   /* time steps per block */
+#define CONV_KMAX 8   /* taps handled by the vector paths and the scalar channel-lane path */
+#define CONV_PD 64    /* software prefetch distance along a channel row, floats */
+#define CONV_NT_BYTES ((int64_t)4 << 20)
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+/* 16x16 transpose: r[i] lane j <-> r[j] lane i */
+static inline __attribute__((always_inline)) void conv_tr16(__m512 r[16]) {
+    __m512 t[16];
+    __m512d u[16];
+    for (int g = 0; g < 4; g++) {
+        t[4 * g + 0] = _mm512_unpacklo_ps(r[4 * g + 0], r[4 * g + 1]);     /* a0 b0 a1 b1 per 128 */
+        t[4 * g + 1] = _mm512_unpackhi_ps(r[4 * g + 0], r[4 * g + 1]);     /* a2 b2 a3 b3 */
+        t[4 * g + 2] = _mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]);     /* c0 d0 c1 d1 */
+        t[4 * g + 3] = _mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);     /* c2 d2 c3 d3 */
+        u[4 * g + 0] = _mm512_unpacklo_pd(_mm512_castps_pd(t[4 * g + 0]), _mm512_castps_pd(t[4 * g + 2]));
+        u[4 * g + 1] = _mm512_unpackhi_pd(_mm512_castps_pd(t[4 * g + 0]), _mm512_castps_pd(t[4 * g + 2]));
+        u[4 * g + 2] = _mm512_unpacklo_pd(_mm512_castps_pd(t[4 * g + 1]), _mm512_castps_pd(t[4 * g + 3]));
+        u[4 * g + 3] = _mm512_unpackhi_pd(_mm512_castps_pd(t[4 * g + 1]), _mm512_castps_pd(t[4 * g + 3]));
+    }
+    /* u[4g+m], 128-bit block L = column 4L+m of rows 4g..4g+3 */
+    for (int m = 0; m < 4; m++) {
+        const __m512 a = _mm512_castpd_ps(u[m]), b = _mm512_castpd_ps(u[4 + m]);
+        const __m512 c = _mm512_castpd_ps(u[8 + m]), d = _mm512_castpd_ps(u[12 + m]);
+        const __m512 ab02 = _mm512_shuffle_f32x4(a, b, 0x88), ab13 = _mm512_shuffle_f32x4(a, b, 0xdd);
+        const __m512 cd02 = _mm512_shuffle_f32x4(c, d, 0x88), cd13 = _mm512_shuffle_f32x4(c, d, 0xdd);
+        r[m] = _mm512_shuffle_f32x4(ab02, cd02, 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(ab02, cd02, 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(ab13, cd13, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(ab13, cd13, 0xdd);
+    }
+}
+
+/* one job: 16 channel rows xp[ii] (time t0 onwards), taps wt[ii][k], nt time steps, nc valid
+ * channels; outputs o + t * ostride (floats), 16 channels each */
+static inline __attribute__((always_inline)) void conv_job16_512(const float *const xp[16], const float wt[16][CONV_KMAX],
+                                                              int64_t K, int64_t nt, int64_t nc, float *o, int64_t ostride,
+                                                              int nts) {
+    const __mmask16 cm = (__mmask16)((1u << nc) - 1u);
+    for (int64_t t = 0; t < nt; t += 16) {
+        const int64_t r = mg_min64(16, nt - t);
+        const __mmask16 lm = (__mmask16)((1u << r) - 1u);
+        __m512 acc[16];
+        for (int ii = 0; ii < 16; ii++) {
+            const float *x = xp[ii] + t;
+            _mm_prefetch((const char *)(x + CONV_PD), _MM_HINT_T0);
+            __m512 a = _mm512_setzero_ps();
+            if (r == 16) {
+                for (int64_t k = 0; k < K; k++)
+                    a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(wt[ii][k])));
+            } else {
+                for (int64_t k = 0; k < K; k++)
+                    a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_maskz_loadu_ps(lm, x + k), _mm512_set1_ps(wt[ii][k])));
+            }
+            acc[ii] = a;
+        }
+        conv_tr16(acc);
+        float *ot = o + t * ostride;
+        if (nts) {          /* nc == 16, rows 64-byte aligned */
+            for (int64_t j = 0; j < r; j++) _mm512_stream_ps(ot + j * ostride, acc[j]);
+        } else if (nc == 16) {
+            for (int64_t j = 0; j < r; j++) _mm512_storeu_ps(ot + j * ostride, acc[j]);
+        } else {
+            for (int64_t j = 0; j < r; j++) _mm512_mask_storeu_ps(ot + j * ostride, cm, acc[j]);
+        }
+    }
+}
+#endif
+
+#if defined(__AVX__)
+/* 8x8 transpose: r[i] lane j <-> r[j] lane i */
+static inline __attribute__((always_inline)) void conv_tr8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int g = 0; g < 2; g++) {
+        t[4 * g + 0] = _mm256_unpacklo_ps(r[4 * g + 0], r[4 * g + 1]);     /* a0 b0 a1 b1 per 128 */
+        t[4 * g + 1] = _mm256_unpackhi_ps(r[4 * g + 0], r[4 * g + 1]);     /* a2 b2 a3 b3 */
+        t[4 * g + 2] = _mm256_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]);
+        t[4 * g + 3] = _mm256_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);
+        u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0x44);  /* a0 b0 c0 d0 */
+        u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g + 0], t[4 * g + 2], 0xee);  /* a1 b1 c1 d1 */
+        u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
+    }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+        r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
+    }
+}
+
+/* 8x8 tiles, time steps outer, the two 8-channel halves inner. Non-temporal stores write each
+ * 64-byte line as two back-to-back 32-byte stores (the first half waits in lo[]): halves written
+ * far apart would flush the write-combining buffers half full, which is several times slower. */
+static inline __attribute__((always_inline)) void conv_job16_256(const float *const xp[16], const float wt[16][CONV_KMAX],
+                                                              int64_t K, int64_t nt, int64_t nc, float *o, int64_t ostride,
+                                                              int nts) {
+    static const int32_t ones[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    __attribute__((aligned(32))) float lo[8][8];
+    for (int64_t t = 0; t < nt; t += 8) {
+        const int64_t r = mg_min64(8, nt - t);
+        const __m256i lm = _mm256_loadu_si256((const __m256i *)(ones + 8 - r));
+        for (int h = 0; h < 16 && h < nc; h += 8) {
+            const int64_t ncc = mg_min64(8, nc - h);
+            __m256 acc[8];
+            for (int ii = 0; ii < 8; ii++) {
+                const float *x = xp[h + ii] + t;
+                if ((t & 15) == 0) _mm_prefetch((const char *)(x + CONV_PD), _MM_HINT_T0);
+                __m256 a = _mm256_setzero_ps();
+                if (r == 8) {
+                    for (int64_t k = 0; k < K; k++)
+                        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(wt[h + ii][k])));
+                } else {
+                    for (int64_t k = 0; k < K; k++)
+                        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_maskload_ps(x + k, lm), _mm256_set1_ps(wt[h + ii][k])));
+                }
+                acc[ii] = a;
+            }
+            conv_tr8(acc);
+            float *ot = o + t * ostride + h;
+            if (nts && h == 0) {        /* nc == 16, rows 64-byte aligned */
+                for (int j = 0; j < 8; j++) _mm256_store_ps(lo[j], acc[j]);
+            } else if (nts) {
+                for (int64_t j = 0; j < r; j++) {
+                    _mm256_stream_ps(ot + j * ostride - 8, _mm256_load_ps(lo[j]));
+                    _mm256_stream_ps(ot + j * ostride, acc[j]);
+                }
+            } else if (ncc == 8) {
+                for (int64_t j = 0; j < r; j++) _mm256_storeu_ps(ot + j * ostride, acc[j]);
+            } else {
+                const __m256i cm = _mm256_loadu_si256((const __m256i *)(ones + 8 - ncc));
+                for (int64_t j = 0; j < r; j++) _mm256_maskstore_ps(ot + j * ostride, cm, acc[j]);
+            }
+        }
+    }
+}
+#define CONV_HAVE_VEC 1
+#endif
 
 void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
     const mg_tensor *sx = &n->src[0];
@@ -20,15 +166,26 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
     const mg_tensor *d = &n->dst;
     const int64_t d_conv = c->ne[0], d_inner = c->ne[1];
     const int64_t n_t = d->ne[1], n_s = d->ne[2];
-    const int64_t cblk = (d_inner + CONV_CB - 1) / CONV_CB;
+    /* channel blocks start on the output's 64-byte lines where its rows allow: sh virtual
+     * channels in front, so the first block holds the channels before the first line boundary
+     * (the allocator's buffers are NumPy arrays, 16 bytes past a line for large ones) */
+    const int lines = d->nb[1] % 64 == 0 && d->nb[2] % 64 == 0 && ((uintptr_t)d->data & 3) == 0;
+    const int64_t sh = lines ? (int64_t)(((uintptr_t)d->data & 63) / 4) : 0;
+    const int64_t cblk = (d_inner + sh + CONV_CB - 1) / CONV_CB;
     const int64_t tblk = (n_t + CONV_TB - 1) / CONV_TB;
+#if defined(CONV_HAVE_VEC)
+    /* non-temporal stores for large outputs, in full blocks (whole aligned lines) */
+    const int nts = lines && n_t > 1 && d_inner * n_t * n_s * 4 >= CONV_NT_BYTES;
+#endif
     int64_t j0, j1;
     mg_split(n_s * cblk * tblk, ith, nth, &j0, &j1);
     for (int64_t job = j0; job < j1; job++) {
-        const int64_t cb = job % cblk, tb = (job / cblk) % tblk, s = job / (cblk * tblk);
-        const int64_t c0 = cb * CONV_CB, c1 = mg_min64(c0 + CONV_CB, d_inner);
+        /* time blocks fastest: a thread streams along its channel rows (prefetch-friendly) */
+        const int64_t tb = job % tblk, cb = (job / tblk) % cblk, s = job / (cblk * tblk);
+        const int64_t c0 = mg_max64(0, cb * CONV_CB - sh), c1 = mg_min64(cb * CONV_CB + CONV_CB - sh, d_inner);
         const int64_t t0 = tb * CONV_TB, t1 = mg_min64(t0 + CONV_TB, n_t);
         const int64_t nt = t1 - t0;
+        if (c1 <= c0) continue;                                                     /* d_inner == 0 */
         if (nt == 1) {
             /* decode: one output per channel */
             float *o = (float *)mg_ptr(d, 0, t0, s, 0);                             /* [d_inner] */
@@ -55,11 +212,41 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
             }
             continue;
         }
+        const int64_t nc = c1 - c0;
+#if defined(CONV_HAVE_VEC)
+        if (d_conv <= CONV_KMAX) {
+            const float *xp[CONV_CB];                                               /* [nt + d_conv - 1] each */
+            float wt[CONV_CB][CONV_KMAX];                                           /* [channel][tap] */
+            for (int64_t ii = 0; ii < CONV_CB; ii++) {
+                /* lanes past the last channel reuse channel c0's row; their outputs are not stored */
+                xp[ii] = (const float *)mg_ptr(sx, t0, ii < nc ? c0 + ii : c0, s, 0);
+                const float *w = (const float *)mg_ptr(c, 0, ii < nc ? c0 + ii : c0, 0, 0);
+                for (int64_t k = 0; k < CONV_KMAX; k++) wt[ii][k] = k < d_conv ? w[k] : 0.0f;
+            }
+            float *o = (float *)mg_ptr(d, c0, t0, s, 0);                            /* [nc] per time step */
+            const int64_t ostride = d->nb[1] / 4;
+            if (nt <= 16 && job + 1 < j1) {
+                /* short rows: the next job's rows (the next channels, contiguous) are a few lines */
+                const char *p = mg_ptr(sx, 0, c1, s, 0), *pe = p + CONV_CB * sx->nb[1];
+                for (; p < pe; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+            }
+#if defined(__AVX512F__)
+            if (nt > 8) {
+                if (d_conv == 4) conv_job16_512(xp, wt, 4, nt, nc, o, ostride, nts && nc == CONV_CB);
+                else conv_job16_512(xp, wt, d_conv, nt, nc, o, ostride, nts && nc == CONV_CB);
+                continue;
+            }
+#endif
+            /* with AVX-512 too when nt <= 8 (n_t = 8: a 16x16 tile would be half empty) */
+            if (d_conv == 4) conv_job16_256(xp, wt, 4, nt, nc, o, ostride, nts && nc == CONV_CB);
+            else conv_job16_256(xp, wt, d_conv, nt, nc, o, ostride, nts && nc == CONV_CB);
+            continue;
+        }
+#endif
         if (d_conv <= CONV_KMAX) {
             /* transpose the block's inputs so that channels are the vector lanes */
             float xt[CONV_TB + CONV_KMAX - 1][CONV_CB];                             /* [time + taps - 1][channel] */
             float wt[CONV_KMAX][CONV_CB];                                           /* [tap][channel] */
-            const int64_t nc = c1 - c0;
             for (int64_t ii = 0; ii < CONV_CB; ii++) {
                 if (ii < nc) {
                     const float *x = (const float *)mg_ptr(sx, t0, c0 + ii, s, 0);  /* [nt + d_conv - 1] */
@@ -102,6 +289,9 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
             for (int64_t i = c0; i < c1; i++) o[i] = tmp[i - c0][t];
         }
     }
+#if defined(CONV_HAVE_VEC)
+    if (nts) _mm_sfence();   /* order the weakly-ordered stores before the node's barrier */
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------- */
