@@ -159,11 +159,14 @@ class MgRunner:
 class GgmlRunner:
     """run_in_ggml's graph build, kept alive so that only ggml_graph_compute is timed."""
 
-    def __init__(self, mg_runner: MgRunner, n_threads):
+    def __init__(self, mg_runner: MgRunner, n_threads, outs=None):
+        """outs: the tensors whose graphs ggml computes, in expansion order (default: the
+        runner's one out); every out of the Built is translated either way."""
         lib, ffi = go.lib, go.ffi
         b = mg_runner.b
+        outs = [mg_runner.out] if outs is None else list(outs)
         gf = Graph()
-        for o in b.outs + [mg_runner.out]:
+        for o in b.outs + outs:
             gf.build_forward_expand(o)
         for node in gf.nodes:
             if node.op in go._CHECKS:
@@ -182,7 +185,8 @@ class GgmlRunner:
             g[node] = go._TRANSLATE[node.op](self.ctx, node, lambda name, node=node: g[node.srcs[name]])
         self.g, self.out = g, mg_runner.out
         self.cgraph = lib.ggml_new_graph_custom(self.ctx, size, False)
-        lib.ggml_build_forward_expand(self.cgraph, g[mg_runner.out])
+        for o in outs:
+            lib.ggml_build_forward_expand(self.cgraph, g[o])
         params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(n_threads))
         self.pool = lib.ggml_threadpool_new(params)
         self.plan = ffi.new("struct ggml_cplan *", lib.ggml_graph_plan(self.cgraph, n_threads, self.pool))
@@ -230,22 +234,8 @@ def bench_case(case, n_threads, reps, min_time):
     m()
     one = time.perf_counter() - t0
     inner = max(1, int(min_time / max(one, 1e-7)))
-    times = {k: [] for k in runners}
-    order = list(runners)
     try:
-        for r in range(reps):
-            for k in order[r % len(order):] + order[:r % len(order)]:   # alternate who goes first
-                fn = runners[k]
-                time.sleep(0.005)    # let the previous runtime's spinning workers go idle
-                if k == "ggml":
-                    gg.resume()
-                fn()                 # warm this runtime's workers
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                times[k].append((time.perf_counter() - t0) / inner)
-                if k == "ggml":
-                    gg.pause()
+        t = time_alternating(runners, reps, inner)
         if gg is not None:   # sanity: same answer as ggml
             gg.resume()
             a, e = m.result(), gg.result()
@@ -254,6 +244,29 @@ def bench_case(case, n_threads, reps, min_time):
     finally:
         if gg is not None:
             gg.close()
+    return t
+
+
+def time_alternating(runners: dict, reps: int, inner: int) -> dict:
+    """Median seconds per call of each runner {name: callable}: reps rounds, each timing `inner`
+    calls of every runner in turn, rotating who goes first. A runner with pause/resume (a
+    GgmlRunner's threadpool) is resumed only while it is timed."""
+    times = {k: [] for k in runners}
+    order = list(runners)
+    for r in range(reps):
+        for k in order[r % len(order):] + order[:r % len(order)]:   # alternate who goes first
+            fn = runners[k]
+            pausable = hasattr(fn, "pause")
+            time.sleep(0.005)    # let the previous runtime's spinning workers go idle
+            if pausable:
+                fn.resume()
+            fn()                 # warm this runtime's workers
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[k].append((time.perf_counter() - t0) / inner)
+            if pausable:
+                fn.pause()
     return {k: statistics.median(v) for k, v in times.items()}
 
 
