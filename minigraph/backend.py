@@ -9,7 +9,7 @@ import numpy as np
 from .alloc import plan_graph
 from .errors import OpError
 from .registry import OPS, writes_through
-from .tensor import Context, Tensor
+from .tensor import Context, Tensor, bind_epoch
 
 GUARD_BYTE = 0xA5
 _buffer_ids = itertools.count()
@@ -79,10 +79,12 @@ class Backend:
             buf = self.alloc_buffer(plan.size, "compute")
             if self.guard:
                 self.fill_guards(buf, plan)
-            entry = gf.cache[key] = (plan, buf)
-        plan, buf = entry
-        for t in plan.tensors:
-            t.buffer, t.offs = buf, plan.offsets[t.id]
+            entry = gf.cache[key] = [plan, buf, -1]
+        plan, buf, bound_at = entry
+        if bound_at != bind_epoch():          # some other graph re-bound memory since: bind again
+            for t in plan.tensors:
+                t.buffer, t.offs = buf, plan.offsets[t.id]
+            entry[2] = bind_epoch()
         return plan
 
     def fill_guards(self, buf: Buffer, plan):
@@ -91,14 +93,17 @@ class Backend:
     def graph_compute(self, gf) -> int:
         """Allocate intermediates (once per graph) and run every node; returns the compute
         buffer's size in bytes."""
-        for leaf in gf.leafs:
-            leaf.storage()   # raises a clear error for a leaf without memory
-            if leaf.backend is not self:
-                raise OpError(f"leaf {leaf.label} lives on {leaf.backend.name}, not {self.name}: "
-                              f"use a Scheduler to compute across devices")
-        for n in gf.nodes:
-            if not self.supports_op(n):
-                raise OpError(f"{n.op} {n.label}: not supported by backend {self.name}")
+        checked = ("checked", self.name)
+        if checked not in gf.cache:          # once per graph: leaves never lose their memory
+            for leaf in gf.leafs:
+                leaf.storage()   # raises a clear error for a leaf without memory
+                if leaf.backend is not self:
+                    raise OpError(f"leaf {leaf.label} lives on {leaf.backend.name}, not {self.name}: "
+                                  f"use a Scheduler to compute across devices")
+            for n in gf.nodes:
+                if not self.supports_op(n):
+                    raise OpError(f"{n.op} {n.label}: not supported by backend {self.name}")
+            gf.cache[checked] = True
         plan = self.prepare(gf, gf.nodes)
         self.compute_nodes(gf.nodes)
         self.last_compute_buffer_size = plan.size
@@ -139,7 +144,7 @@ class HostBackend(Backend):
 
     def guards_intact(self, gf) -> bool:
         """True when no byte between planned tensors was written (tests use guard > 0)."""
-        plan, buf = gf.cache[("alloc", self.name)]
+        plan, buf = gf.cache[("alloc", self.name)][:2]
         used = np.zeros(buf.mem.size, bool)
         for t in plan.tensors:
             o = plan.offsets[t.id]

@@ -14,6 +14,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_DIMS = 4
 _ids = itertools.count()
+_bind_epoch = [0]   # bumped whenever any tensor's memory binding changes
+
+
+def bind_epoch() -> int:
+    """A counter that changes whenever a tensor is given other memory: plans built from
+    bindings stay valid while it does not move (a constant-time check on the hot path)."""
+    return _bind_epoch[0]
 
 
 def contiguous_strides(dtype: DType, ne: Sequence[int]) -> tuple[int, int, int, int]:
@@ -62,6 +69,28 @@ class Tensor:
         self.offs = 0
         if ctx is not None:
             ctx.tensors.append(self)
+
+    # memory binding: (buffer, offs) of a tensor that owns memory; setting either to a new value
+    # bumps the bind epoch
+    @property
+    def buffer(self):
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, b):
+        if b is not self.__dict__.get("_buffer", 0):
+            _bind_epoch[0] += 1
+        self._buffer = b
+
+    @property
+    def offs(self) -> int:
+        return self._offs
+
+    @offs.setter
+    def offs(self, o: int):
+        if o != self.__dict__.get("_offs"):
+            _bind_epoch[0] += 1
+        self._offs = o
 
     # -- naming and flags -------------------------------------------------------------------
     def set_name(self, name: str) -> "Tensor":

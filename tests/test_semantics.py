@@ -1129,7 +1129,7 @@ def test_outputs_are_never_overwritten():
         np.testing.assert_allclose(got(t), exp[i], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got(y), exp[-1], rtol=1e-5, atol=1e-6)
     # and by construction: no tensor placed after an output overlaps it
-    plan, _ = gf.cache[("alloc", be.name)]
+    plan = gf.cache[("alloc", be.name)][0]
     for i, t in outs.items():
         o0, o1 = plan.offsets[t.id], plan.offsets[t.id] + t.nbytes()
         later = plan.tensors[plan.tensors.index(t) + 1:]

@@ -21,6 +21,7 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
+from minigraph.tensor import bind_epoch
 from minigraph.types import f16, f32, i32, i64
 
 try:
@@ -77,6 +78,7 @@ class CpuPlan:
         self.roots = roots          # root tensors whose memory the records point into
         self.sig = sig              # (buffer id, offset) of each root when built
         self.runs = 0
+        self.epoch = -1             # bind epoch at which it was last known valid
 
 
 class CpuBackend(HostBackend):
@@ -150,7 +152,9 @@ class CpuBackend(HostBackend):
             _params(node, rec)
         roots = list(roots.values())
         self.plans_built += 1
-        return CpuPlan(nodes, records, len(compute), compute, roots, self._signature(roots))
+        plan = CpuPlan(nodes, records, len(compute), compute, roots, self._signature(roots))
+        plan.epoch = bind_epoch()
+        return plan
 
     def run_plan(self, plan: CpuPlan):
         """Execute every record of ``plan`` in one call into C."""
@@ -172,7 +176,9 @@ class CpuBackend(HostBackend):
     def get_plan(self, nodes) -> CpuPlan:
         key = (id(nodes), len(nodes))
         plan = self._plans.get(key)
-        if plan is not None and plan.nodes is nodes and plan.sig == self._signature(plan.roots):
+        if plan is not None and plan.nodes is nodes and (
+                plan.epoch == bind_epoch() or plan.sig == self._signature(plan.roots)):
+            plan.epoch = bind_epoch()         # nothing was re-bound: the next check is O(1)
             self._plans.move_to_end(key)
             return plan
         plan = self.build_plan(nodes)
