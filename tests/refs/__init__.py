@@ -95,6 +95,33 @@ TOL = 1e-5          # the issue's bar: f32 relative error per layer and per mode
 MAX_ERR: dict = {}  # what the tests measured, by (model arch, what): the largest relative error
 
 
+class PreNormFfnRef:
+    """The whole-model loop LFM2 and KDA share (REFERENCE §11): per block a pre-RMS-norm mixer and a
+    SwiGLU feed-forward, each added to the residual; a final norm (named by ``final_norm``) and the
+    output head. Subclasses provide ``mixer(il, u, state) -> (out, new state)``."""
+
+    final_norm = "output_norm.weight"
+
+    def ffn(self, il: int, x: np.ndarray):
+        p = f"blk.{il}."
+        u = rms_norm(x, self.eps) * self.w[p + "ffn_norm.weight"]
+        return self.w[p + "ffn_down.weight"] @ (silu(self.w[p + "ffn_gate.weight"] @ u) * (self.w[p + "ffn_up.weight"] @ u))
+
+    def token(self, tok: int, state: list):
+        """Returns (logits [n_vocab], new state, per-block mixer outputs [n_layer, n_embd])."""
+        x = self.w["token_embd.weight"][tok].copy()
+        new, mixers = [], []
+        for il in range(self.n_layer):
+            u = rms_norm(x, self.eps) * self.w[f"blk.{il}.attn_norm.weight"]
+            m, st = self.mixer(il, u, state[il])
+            new.append(st)
+            mixers.append(m)
+            x = x + m
+            x = x + self.ffn(il, x)
+        y = rms_norm(x, self.eps) * self.w[self.final_norm]
+        return self.w["output.weight"] @ y, new, np.array(mixers)
+
+
 def rel_err(got, want) -> float:
     """max |got - want| / max |want| (the reference's scale)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import PreNormFfnRef
+
 
 def rms(x, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -52,7 +54,9 @@ def l2n(x, eps):
     return x / max(np.sqrt(np.sum(x * x)), eps)
 
 
-class KdaRef:
+class KdaRef(PreNormFfnRef):
+    final_norm = "output_norm.weight"
+
     def __init__(self, weights: dict, n_layer: int, n_head: int, head_dim: int, d_conv: int, eps: float):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.n_layer, self.H, self.d, self.L, self.eps = n_layer, n_head, head_dim, d_conv, eps
@@ -93,25 +97,6 @@ class KdaRef:
         gate = sigmoid(w[p + "ssm_g_b.weight"] @ (w[p + "ssm_g_a.weight"] @ u)).reshape(H, d)
         o = rms(o, self.eps) * w[p + "ssm_norm.weight"] * gate               # per-head norm
         return w[p + "attn_output.weight"] @ o.reshape(-1), {"conv": conv, "S": S}
-
-    def ffn(self, il: int, x: np.ndarray):
-        p = f"blk.{il}."
-        u = rms(x, self.eps) * self.w[p + "ffn_norm.weight"]
-        return self.w[p + "ffn_down.weight"] @ (silu(self.w[p + "ffn_gate.weight"] @ u) * (self.w[p + "ffn_up.weight"] @ u))
-
-    def token(self, tok: int, state: list):
-        """Returns (logits [n_vocab], new state, per-block mixer outputs [n_layer, n_embd])."""
-        x = self.w["token_embd.weight"][tok].copy()
-        new, mixers = [], []
-        for il in range(self.n_layer):
-            u = rms(x, self.eps) * self.w[f"blk.{il}.attn_norm.weight"]
-            m, st = self.mixer(il, u, state[il])
-            new.append(st)
-            mixers.append(m)
-            x = x + m
-            x = x + self.ffn(il, x)
-        y = rms(x, self.eps) * self.w["output_norm.weight"]
-        return self.w["output.weight"] @ y, new, np.array(mixers)
 
     # cache-row layouts (what llama.cpp's memory holds for one cell)
     def r_row(self, state: list, il: int) -> np.ndarray:

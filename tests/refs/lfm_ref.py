@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def rms(x, eps):
-    return x / np.sqrt(np.mean(x * x) + eps)
+from . import PreNormFfnRef
 
 
-def silu(x):
-    return x / (1.0 + np.exp(-x))
+class LfmRef(PreNormFfnRef):
+    final_norm = "token_embd_norm.weight"
 
-
-class LfmRef:
     def __init__(self, weights: dict, n_layer: int, n_embd: int, l_cache: int, eps: float):
         self.w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
         self.n_layer, self.n_embd, self.L, self.eps = n_layer, n_embd, l_cache, eps
@@ -51,25 +47,6 @@ class LfmRef:
         for i in range(self.L):
             conv += self.w[p + "conv.weight"][:, i] * window[:, i]
         return self.w[p + "out_proj.weight"] @ (C * conv), window[:, 1:].copy()
-
-    def ffn(self, il: int, x: np.ndarray):
-        p = f"blk.{il}."
-        u = rms(x, self.eps) * self.w[p + "ffn_norm.weight"]
-        return self.w[p + "ffn_down.weight"] @ (silu(self.w[p + "ffn_gate.weight"] @ u) * (self.w[p + "ffn_up.weight"] @ u))
-
-    def token(self, tok: int, state: list):
-        """Returns (logits [n_vocab], new state, per-block mixer outputs [n_layer, n_embd])."""
-        x = self.w["token_embd.weight"][tok].copy()
-        new, mixers = [], []
-        for il in range(self.n_layer):
-            u = rms(x, self.eps) * self.w[f"blk.{il}.attn_norm.weight"]
-            m, hist = self.mixer(il, u, state[il])
-            new.append(hist)
-            mixers.append(m)
-            x = x + m
-            x = x + self.ffn(il, x)
-        y = rms(x, self.eps) * self.w["token_embd_norm.weight"]
-        return self.w["output.weight"] @ y, new, np.array(mixers)
 
     # cache-row layouts (what llama.cpp's memory holds for one cell)
     def r_row(self, state: list, il: int) -> np.ndarray:
