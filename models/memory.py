@@ -565,34 +565,29 @@ class RecurrentMemory:
         if new_head != self.size and new_head < self.head:
             self.head = new_head
 
+    def _tail_cell_in(self, seq: int, p0: int, p1: int):
+        """The seq's tail cell when its pos lies in [p0, p1) (negative bounds: open), else None."""
+        p0 = 0 if p0 < 0 else p0
+        p1 = POS_INF if p1 < 0 else p1
+        if p0 == p1 or not 0 <= seq < self.size:
+            return None
+        t = self.cells[seq].tail
+        if t < 0:
+            return None
+        c = self.cells[t]
+        return c if c.has_seq_id(seq) and p0 <= c.pos < p1 else None
+
     def seq_add(self, seq: int, p0: int, p1: int, delta: int):
         """Shift the tail cell's pos by delta when it lies in [p0, p1)."""
-        if delta == 0:
-            return
-        p0 = 0 if p0 < 0 else p0
-        p1 = POS_INF if p1 < 0 else p1
-        if p0 == p1:
-            return
-        if 0 <= seq < self.size:
-            t = self.cells[seq].tail
-            if t >= 0:
-                c = self.cells[t]
-                if c.has_seq_id(seq) and p0 <= c.pos < p1:
-                    c.pos += delta
+        c = self._tail_cell_in(seq, p0, p1) if delta != 0 else None
+        if c is not None:
+            c.pos += delta
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int):
-        if d == 1:
-            return
-        p0 = 0 if p0 < 0 else p0
-        p1 = POS_INF if p1 < 0 else p1
-        if p0 == p1:
-            return
-        if 0 <= seq < self.size:
-            t = self.cells[seq].tail
-            if t >= 0:
-                c = self.cells[t]
-                if c.has_seq_id(seq) and p0 <= c.pos < p1:
-                    c.pos = int(c.pos / d)          # C integer division truncates toward 0
+        """Divide the tail cell's pos by d when it lies in [p0, p1)."""
+        c = self._tail_cell_in(seq, p0, p1) if d != 1 else None
+        if c is not None:
+            c.pos = int(c.pos / d)          # C integer division truncates toward 0
 
     # -- batch init (REFERENCE §2.7) ------------------------------------------------------------
     def init_batch(self, balloc, n_ubatch: int, embd_all: bool = False) -> "RecurrentContext":
