@@ -51,11 +51,11 @@ def _load_bench_ops():
 
 import minigraph as mg                                    # noqa: E402
 from minigraph.graph import Graph                         # noqa: E402
-from backends.cpu import CpuBackend                       # noqa: E402
-from backends.cpu import ffi as cpu_ffi, lib as cpu_lib   # noqa: E402
-from models.runner import Runner                          # noqa: E402
-from models.standalone import layer_built                 # noqa: E402
-from models.zoo import make_model                         # noqa: E402
+from minigraph.backends.cpu import CpuBackend                       # noqa: E402
+from minigraph.backends.cpu import ffi as cpu_ffi, lib as cpu_lib   # noqa: E402
+from minigraph.models.runner import Runner                          # noqa: E402
+from minigraph.models.standalone import layer_built                 # noqa: E402
+from minigraph.models.zoo import make_model                         # noqa: E402
 
 bench_ops = _load_bench_ops()
 GgmlRunner, MgRunner, fmt, time_alternating = (bench_ops.GgmlRunner, bench_ops.MgRunner, bench_ops.fmt,

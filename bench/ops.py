@@ -25,12 +25,12 @@ sys.path.insert(0, ROOT)
 
 import minigraph as mg                                    # noqa: E402
 from minigraph.graph import Graph                         # noqa: E402
-from minigraph.op_cases import Built                      # noqa: E402
+from minigraph.testing.op_cases import Built                      # noqa: E402
 from minigraph.tensor import Context                      # noqa: E402
-from backends.cpu import CpuBackend                       # noqa: E402
+from minigraph.backends.cpu import CpuBackend                       # noqa: E402
 
 try:
-    import minigraph.ggml_oracle as go                    # noqa: E402
+    import minigraph.testing.ggml_oracle as go                    # noqa: E402
     go.ffi.cdef("""
         struct ggml_threadpool_params { bool cpumask[512]; int n_threads; int prio; uint32_t poll;
                                         bool strict_cpu; bool paused; };
@@ -287,8 +287,8 @@ def decode_graph_step(n_layer=24, n_embd=1024, reps=30):
     the conv-state store's set_rows, ssm_conv, silu, mul, add) per step, and the share of the step
     spent outside kernels, estimated as the same graph's time at n_embd 8 (the same nodes, plan
     dispatch, barriers and Python entry, almost no arithmetic)."""
-    from models.runner import Runner
-    from models.toy import ToyConvModel
+    from minigraph.models.runner import Runner
+    from minigraph.models.toy import ToyConvModel
     out = {}
     for E in (n_embd, 8):
         be = mg.backend("cpu")

@@ -17,8 +17,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import minigraph as mg  # noqa: E402
-from models.runner import Runner  # noqa: E402
-from models.toy import ToyConvModel  # noqa: E402
+from minigraph.models.runner import Runner  # noqa: E402
+from minigraph.models.toy import ToyConvModel  # noqa: E402
 
 
 def measure(reuse: bool, args) -> tuple[float, float, float]:

@@ -11,7 +11,7 @@ import argparse
 import numpy as np
 
 import minigraph as mg
-from models.conv_state import conv_state_store
+from minigraph.models.conv_state import conv_state_store
 
 
 def default_device() -> str:

@@ -10,8 +10,8 @@ import time
 import numpy as np
 
 import minigraph as mg
-from models.runner import Runner
-from models.zoo import make_model
+from minigraph.models.runner import Runner
+from minigraph.models.zoo import make_model
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ import argparse
 import numpy as np
 
 import minigraph as mg
-from models.runner import Runner
+from minigraph.models.runner import Runner
 
 
 class GatedConvModel:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 import minigraph as mg
-from models.graph import SLOT_ORDERS
-from models.runner import Runner
-from models.zoo import layer_devices, make_model
+from minigraph.models.graph import SLOT_ORDERS
+from minigraph.models.runner import Runner
+from minigraph.models.zoo import layer_devices, make_model
 
 
 def schedule_one_ubatch(model, devices, strategy, n_rs_seq=3, n_tokens=4):

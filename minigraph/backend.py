@@ -153,51 +153,70 @@ class HostBackend(Backend):
 
 
 # -- device registry ---------------------------------------------------------------------------
+# Backends register themselves by kind; the core finds the module of a kind through the
+# "minigraph.backends" entry-point group (pyproject.toml), so it never imports a backend by name.
 _FACTORIES: dict = {}
+_COMPOSITES: dict = {}
 _INSTANCES: dict = {}
+ENTRY_POINT_GROUP = "minigraph.backends"
 
 
-def register_backend(kind: str, factory):
-    """factory(index: int) -> Backend, for device names 'kind' or 'kind:N'."""
-    _FACTORIES[kind] = factory
+def register_backend(kind: str, factory, *, composite: bool = False):
+    """Register a device kind. factory(index: int) -> Backend serves names 'kind' and 'kind:N';
+    with composite=True, factory(inner_names: list[str]) -> Backend serves 'kind(dev,dev,...)'."""
+    (_COMPOSITES if composite else _FACTORIES)[kind] = factory
+
+
+def known_kinds() -> list[str]:
+    """Every device kind that is registered or installed (whether or not it can load here)."""
+    from importlib.metadata import entry_points
+    return sorted(set(_FACTORIES) | set(_COMPOSITES) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def _load_kind(kind: str):
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == kind:
+            ep.load()
+            return
+
+
+_NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N' or 'meta(dev,dev,...)'"
 
 
 def backend(name: str) -> Backend:
-    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a meta device
-    over several of them, 'meta(cpu:0,cpu:1)' (backends/meta)."""
-    if name.strip().startswith("meta("):
-        from backends.meta import make_meta, parse_meta_name
-        names = parse_meta_name(name)
-        if names is None:
-            raise ValueError(f"bad device name {name!r}: expected meta(dev,dev,...), e.g. meta(cpu:0,cpu:1)")
-        inner = [backend(n).name for n in names]
-        canonical = "meta(" + ",".join(inner) + ")"
-        if canonical not in _INSTANCES:
-            _INSTANCES[canonical] = make_meta(inner)
-        return _INSTANCES[canonical]
-    m = re.fullmatch(r"([a-z]+)(?::(\d+))?", name.strip())
+    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a device made of
+    several others, e.g. the meta device 'meta(cpu:0,cpu:1)'."""
+    if not isinstance(name, str):
+        raise ValueError(f"a device name is a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
+    text = name.strip()
+    m = re.fullmatch(r"([a-z]+)\((.*)\)", text) or re.fullmatch(r"([a-z]+)(?::(\d+))?", text)
     if not m:
-        raise ValueError(f"bad device name {name!r}: expected 'ref', 'cpu', 'cpu:N' or 'cuda:N'")
-    kind, idx = m.group(1), int(m.group(2) or 0)
+        raise ValueError(f"bad device name {name!r}: {_NAME_HELP}")
+    kind, composite = m.group(1), text.endswith(")")
+    table = _COMPOSITES if composite else _FACTORIES
+    if kind not in table:
+        _load_kind(kind)
+    if kind not in table:
+        form = f"{kind}(...)" if composite else kind
+        raise ValueError(f"unknown device {name!r}: no device kind {form!r}; known kinds are "
+                         f"{', '.join(known_kinds())} ({_NAME_HELP})")
+    if composite:
+        inner_names = [s.strip() for s in m.group(2).split(",") if s.strip()]
+        if not inner_names:
+            raise ValueError(f"bad device name {name!r}: {kind}(...) needs at least one device inside")
+        inner = [backend(n).name for n in inner_names]
+        canonical = f"{kind}(" + ",".join(inner) + ")"
+        if canonical not in _INSTANCES:
+            _INSTANCES[canonical] = table[kind](inner)
+        return _INSTANCES[canonical]
     if kind == "ref" and m.group(2) is not None:
         raise ValueError(f"bad device name {name!r}: the reference backend is just 'ref'")
+    idx = int(m.group(2) or 0)
     canonical = "ref" if kind == "ref" else f"{kind}:{idx}"
     if canonical not in _INSTANCES:
-        if kind not in _FACTORIES:
-            _load_backend_module(kind)
-        if kind not in _FACTORIES:
-            raise ValueError(f"unknown device {name!r}: known kinds are {sorted(_FACTORIES)}")
-        _INSTANCES[canonical] = _FACTORIES[kind](idx)
+        _INSTANCES[canonical] = table[kind](idx)
     return _INSTANCES[canonical]
-
-
-def _load_backend_module(kind: str):
-    import importlib
-    try:
-        importlib.import_module(f"backends.{kind}")
-    except ModuleNotFoundError as e:
-        if e.name not in (f"backends.{kind}", "backends"):
-            raise
 
 
 def alloc_ctx_tensors(ctx: Context, be: Backend, usage: str = "weights") -> Buffer | None:

@@ -33,7 +33,7 @@ def _common(p, model=True):
 
 
 def _setup(args):
-    from models.zoo import UsageError, make_model, parse_devices
+    from minigraph.models.zoo import UsageError, make_model, parse_devices
     try:
         devices = parse_devices(args.devices)
         if args.threads:
@@ -46,7 +46,7 @@ def _setup(args):
         _fail(str(e))
     for d in devices:                  # a meta device splits the model by heads where it can
         if hasattr(d, "set_split_state"):
-            from backends.meta import recipe_for
+            from minigraph.backends.meta import recipe_for
             d.set_split_state(recipe_for(model))
     if args.n_rs_seq < 0:
         _fail("--n-rs-seq must be >= 0")
@@ -54,7 +54,7 @@ def _setup(args):
 
 
 def _runner(model, devices, args, **kw):
-    from models.runner import Runner
+    from minigraph.models.runner import Runner
     return Runner(model, mem_size=2, n_rs_seq=args.n_rs_seq, n_ubatch=args.ubatch,
                   slot_order=args.slot_order, backends=devices, **kw)
 
@@ -70,7 +70,7 @@ def _state_bytes(runner) -> bytes:
 
 # -- run -------------------------------------------------------------------------------------
 def cmd_run(args):
-    from models.runner import DecodeError
+    from minigraph.models.runner import DecodeError
     devices, model = _setup(args)
     n_vocab = model.n_vocab
     rng = np.random.default_rng(args.seed)
@@ -172,7 +172,7 @@ def _placement(model, devices, args, strategy):
 
 def cmd_placement(args):
     import minigraph as mg
-    from models.graph import SLOT_ORDERS
+    from minigraph.models.graph import SLOT_ORDERS
     devices, model = _setup(args)
     strategies = list(SLOT_ORDERS) if args.compare else [args.slot_order]
     results = {}
@@ -220,7 +220,7 @@ def cmd_placement(args):
 
 # -- reuse -----------------------------------------------------------------------------------
 def cmd_reuse(args):
-    from models.runner import ReuseMismatch
+    from minigraph.models.runner import ReuseMismatch
     devices, model = _setup(args)
     rng = np.random.default_rng(args.seed)
     stream = [[int(x) for x in rng.integers(0, model.n_vocab, 6)]]
@@ -263,7 +263,7 @@ def cmd_reuse(args):
 # -- check -----------------------------------------------------------------------------------
 def cmd_check(args):
     import minigraph as mg
-    from minigraph.op_cases import CASES, compare, run_built
+    from minigraph.testing.op_cases import CASES, compare, run_built
     backends = []
     for name in ("ref", "cpu", "cuda:0"):
         try:
@@ -272,7 +272,7 @@ def cmd_check(args):
             pass
     oracle = None
     try:
-        from minigraph import ggml_oracle
+        from minigraph.testing import ggml_oracle
         oracle = ggml_oracle
     except Exception:
         pass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import ops as _ops  # noqa: F401
-from .op_cases import CASES
+from .testing.op_cases import CASES
 from .registry import OPS
 
 

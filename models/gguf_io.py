@@ -35,10 +35,10 @@ import numpy as np
 import minigraph as mg
 
 ARCH_CLASSES = {
-    "lfm2": ("models.lfm", "LFM2Model"),
-    "kimi-linear": ("models.kda", "KDAModel"),
-    "mamba2": ("models.mamba2", "Mamba2Model"),
-    "qwen35": ("models.delta_net", "DeltaNetModel"),
+    "lfm2": ("minigraph.models.lfm", "LFM2Model"),
+    "kimi-linear": ("minigraph.models.kda", "KDAModel"),
+    "mamba2": ("minigraph.models.mamba2", "Mamba2Model"),
+    "qwen35": ("minigraph.models.delta_net", "DeltaNetModel"),
 }
 HPARAMS_KEY = "minigraph.hparams"
 

@@ -3,7 +3,7 @@ models' own layer functions (`build_mamba2_layer`, `build_delta_net_layer`) on l
 data, outside any Runner or memory.
 
 The result is an op_cases `Built`, so the same graph can be computed by minigraph's backends
-(`run_built`) and by real ggml (`minigraph.ggml_oracle.run_in_ggml`). Used by the layer-level
+(`run_built`) and by real ggml (`minigraph.testing.ggml_oracle.run_in_ggml`). Used by the layer-level
 oracle test (tests/test_models_ggml.py) and the model benchmark (bench/models.py).
 
 The graph covers the whole mixer: projections, the conv-state read (build_rs, with a tail cell
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import minigraph as mg
-from minigraph.op_cases import Built
+from minigraph.testing.op_cases import Built
 from minigraph.tensor import Context
 
 from .delta_net import DeltaNetModel, build_delta_net_layer

@@ -7,12 +7,12 @@ import minigraph as mg
 
 # name -> (module, class); classes take devices= (a backend or a list per layer) and seed=
 MODELS = {
-    "mamba2": ("models.mamba2", "Mamba2Model"),
-    "delta-net": ("models.delta_net", "DeltaNetModel"),
-    "lfm": ("models.lfm", "LFM2Model"),
-    "kda": ("models.kda", "KDAModel"),
-    "toy": ("models.toy", "ToyConvModel"),
-    "toy-tp": ("backends.meta.demo", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device
+    "mamba2": ("minigraph.models.mamba2", "Mamba2Model"),
+    "delta-net": ("minigraph.models.delta_net", "DeltaNetModel"),
+    "lfm": ("minigraph.models.lfm", "LFM2Model"),
+    "kda": ("minigraph.models.kda", "KDAModel"),
+    "toy": ("minigraph.models.toy", "ToyConvModel"),
+    "toy-tp": ("minigraph.models.toy_tp", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device
 }
 
 

@@ -58,7 +58,7 @@ fi
 step "tests: tests/test_cuda_backend.py tests/test_ops.py"
 timeout 330 "$PY" -m pytest -q -rs tests/test_cuda_backend.py tests/test_ops.py
 
-step "benchmark: python -m backends.cuda.bench"
+step "benchmark: python -m minigraph.backends.cuda.bench"
 timeout 180 "$PY" -m backends.cuda.bench
 
 step "done"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from models.batch import Batch, BatchAllocr, Ubatch
+from minigraph.models.batch import Batch, BatchAllocr, Ubatch
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_placement_compare_agrees_with_the_api():
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import minigraph as mg
     from slot_order_placement import schedule_one_ubatch
-    from models.zoo import make_model
+    from minigraph.models.zoo import make_model
     devices = [mg.backend("cpu:1"), mg.backend("cpu:0")]
     model = make_model("toy", devices, n_layer=4)
     for strategy, v in s.items():

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import minigraph as mg
-from models.conv_state import conv_state_store
+from minigraph.models.conv_state import conv_state_store
 
 
 @st.composite

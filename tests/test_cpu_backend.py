@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.op_cases import CASES, Built, Case, compare, run_built
+from minigraph.testing.op_cases import CASES, Built, Case, compare, run_built
 from minigraph.registry import OPS
 from minigraph.tensor import Context
 
-cpu = pytest.importorskip("backends.cpu")
+cpu = pytest.importorskip("minigraph.backends.cpu")
 if cpu.lib is None:  # pragma: no cover
     pytest.skip(f"cpu extension not built: {cpu._IMPORT_ERROR}", allow_module_level=True)
 

@@ -26,10 +26,10 @@ if _REASON:
     pytest.skip(_REASON, allow_module_level=True)
 
 import minigraph as mg                                # noqa: E402
-from minigraph.op_cases import CASES                  # noqa: E402
+from minigraph.testing.op_cases import CASES                  # noqa: E402
 
-import backends.cuda as cuda                          # noqa: E402
-from backends.cuda import selftest                    # noqa: E402
+import minigraph.backends.cuda as cuda                          # noqa: E402
+from minigraph.backends.cuda import selftest                    # noqa: E402
 
 
 def fresh():

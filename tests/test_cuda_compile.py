@@ -20,12 +20,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from minigraph.op_cases import CASES
+from minigraph.testing.op_cases import CASES
 from minigraph.registry import OPS
 
-import backends.cuda as cuda
-from backends.cuda import selftest
-from backends.cuda.emu import EmuDevice, compiler, kernel_names
+import minigraph.backends.cuda as cuda
+from minigraph.backends.cuda import selftest
+from minigraph.backends.cuda.emu import EmuDevice, compiler, kernel_names
 
 CUDA_DIR = os.path.dirname(os.path.abspath(cuda.__file__))
 CU_FILES = sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu")))
@@ -197,7 +197,7 @@ def test_emulated_strided_write_and_read(emu_device):
 def test_emulator_checks_launch_arguments():
     """A launch whose arguments do not match the kernel's parameters is refused (on a GPU it
     would silently read garbage)."""
-    from backends.cuda.emu import EmuError
+    from minigraph.backends.cuda.emu import EmuError
     emu_device = EmuDevice()
     mem = emu_device.alloc(64)
     p = cuda.Ptr(emu_device.ptr(mem))

@@ -9,10 +9,10 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install 'minigraph[gguf]')")
 
 import minigraph as mg  # noqa: E402
-from models.gguf_io import GGUFError, load_gguf, model_class, read_metadata, save_gguf  # noqa: E402
-from models.kda import KDAModel  # noqa: E402
-from models.lfm import LFM2Model  # noqa: E402
-from models.runner import Runner  # noqa: E402
+from minigraph.models.gguf_io import GGUFError, load_gguf, model_class, read_metadata, save_gguf  # noqa: E402
+from minigraph.models.kda import KDAModel  # noqa: E402
+from minigraph.models.lfm import LFM2Model  # noqa: E402
+from minigraph.models.runner import Runner  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def one_cpu_thread():
@@ -182,8 +182,8 @@ def _other(module, cls):
     return probe
 
 
-@pytest.mark.parametrize("arch,module,cls", [("mamba2", "models.mamba2", "Mamba2Model"),
-                                             ("qwen35", "models.delta_net", "DeltaNetModel")])
+@pytest.mark.parametrize("arch,module,cls", [("mamba2", "minigraph.models.mamba2", "Mamba2Model"),
+                                             ("qwen35", "minigraph.models.delta_net", "DeltaNetModel")])
 def test_other_archs_round_trip_generically(tmp_path, arch, module, cls):
     m = _other(module, cls)
     cpu = mg.backend("cpu")

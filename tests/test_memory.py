@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from models.batch import Batch, BatchAllocr, Ubatch
-from models.memory import RecurrentMemory, StateFileError
+from minigraph.models.batch import Batch, BatchAllocr, Ubatch
+from minigraph.models.memory import RecurrentMemory, StateFileError
 
 REF = mg.backend("ref")
 

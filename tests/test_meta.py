@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from backends.meta import MetaBackend, recipe_for, split_by_name
-from backends.meta.demo import ToyConvTPModel
-from minigraph.split_state import SplitState
-from models.runner import Runner
-from models.toy import ToyConvModel
+from minigraph.backends.meta import MetaBackend, recipe_for, split_by_name
+from minigraph.models.toy_tp import ToyConvTPModel
+from minigraph.backends.meta.split_state import SplitState
+from minigraph.models.runner import Runner
+from minigraph.models.toy import ToyConvModel
 
 RTOL = 1e-6
 
@@ -34,7 +34,7 @@ def test_device_names():
     for bad in ("meta()", "meta(cpu:0", "meta(cpu:0,cpu:0)"):
         with pytest.raises(ValueError):
             mg.backend(bad)
-    from models.zoo import parse_devices
+    from minigraph.models.zoo import parse_devices
     assert [d.name for d in parse_devices("meta(cpu:0,cpu:1),cpu:0")] == ["meta(cpu:0,cpu:1)", "cpu:0"]
 
 
@@ -195,7 +195,7 @@ def test_delta_net_split_by_heads_decodes_with_rollback_like_cpu(cpus):
     """Qwen 3.5 gated delta-net split by k heads as llama.cpp does (q|k|v one segment of key_dim
     repeated 2 + Hv/Hk times): GATED_DELTA_NET, the conv store and the state store run split,
     with one all-reduce per mixer and per FFN."""
-    from models.delta_net import DeltaNetModel
+    from minigraph.models.delta_net import DeltaNetModel
     want_logits, want_caches, _ = decode(DeltaNetModel(devices=cpus[0], seed=0))
     meta = MetaBackend(cpus)
     model = DeltaNetModel(devices=meta, seed=0)
@@ -215,8 +215,8 @@ def test_mamba2_runs_mirrored_and_kda_rows_refuse_a_split(cpus):
     """Mamba-2 has no head split under ggml's rules (SSM_SCAN is scalar-only; B and C share the
     conv channel axis with x): on a meta device it runs MIRRORED, bit for bit like cpu. KDA packs
     three histories per r row: a split r cache is refused with the permuted-view rule's error."""
-    from models.kda import KDAModel
-    from models.mamba2 import Mamba2Model
+    from minigraph.models.kda import KDAModel
+    from minigraph.models.mamba2 import Mamba2Model
     kw = dict(n_embd=32, d_inner=64, n_head=4, seed=0)
     want_logits, want_caches, _ = decode(Mamba2Model(devices=cpus[0], **kw))
     meta = MetaBackend(cpus)

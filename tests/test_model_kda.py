@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from models.graph import SLOT_ORDERS, GraphContext
-from models.kda import KDAModel
-from models.runner import Runner
+from minigraph.models.graph import SLOT_ORDERS, GraphContext
+from minigraph.models.kda import KDAModel
+from minigraph.models.runner import Runner
 from refs.kda_ref import KdaRef
 from test_model_lfm import cache_rows, make_stream, one_cpu_thread, rollback_trial, run_stream, weights_of  # noqa: F401
 

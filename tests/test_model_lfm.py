@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from models.graph import SLOT_ORDERS, GraphContext
-from models.lfm import LFM2Model
-from models.runner import Runner
+from minigraph.models.graph import SLOT_ORDERS, GraphContext
+from minigraph.models.lfm import LFM2Model
+from minigraph.models.runner import Runner
 from refs.lfm_ref import LfmRef
 
 TOL = 1e-5

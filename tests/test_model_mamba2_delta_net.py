@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from models.delta_net import DeltaNetModel
-from models.graph import SLOT_ORDERS
-from models.mamba2 import Mamba2Model
-from models.runner import Runner
+from minigraph.models.delta_net import DeltaNetModel
+from minigraph.models.graph import SLOT_ORDERS
+from minigraph.models.mamba2 import Mamba2Model
+from minigraph.models.runner import Runner
 from refs import cache_arrays, decode_and_check, rollback_scenario
 from refs.delta_net_ref import DeltaNetRef
 from refs.mamba2_ref import Mamba2Ref

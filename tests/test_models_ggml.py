@@ -1,6 +1,6 @@
 """One Mamba-2 layer and one gated delta-net layer, built by the models' own layer functions
 (`build_mamba2_layer`, `build_delta_net_layer`) on leaves with random data, computed by real ggml
-(libggml-python, through minigraph.ggml_oracle) and by minigraph's `cpu` and `ref` backends.
+(libggml-python, through minigraph.testing.ggml_oracle) and by minigraph's `cpu` and `ref` backends.
 
 The graph covers the whole mixer: projections, the conv-state read (build_rs, with a tail cell
 and optionally the zero row), concat, the conv-state store (seed 000's set_rows of overlapping
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.op_cases import nmse, run_built
-from models.standalone import HEAD, LeafMemory, layer_built  # noqa: F401  (LeafMemory: moved there)
+from minigraph.testing.op_cases import nmse, run_built
+from minigraph.models.standalone import HEAD, LeafMemory, layer_built  # noqa: F401  (LeafMemory: moved there)
 
 if importlib.util.find_spec("libggml") is None:
     pytest.skip("real ggml is not installed: pip install libggml-python==0.20.2.post1 "
                 "(the 'test' extra) to run the oracle tests", allow_module_level=True)
 
-from minigraph.ggml_oracle import run_in_ggml  # noqa: E402
+from minigraph.testing.ggml_oracle import run_in_ggml  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 

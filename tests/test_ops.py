@@ -1,10 +1,10 @@
-"""The op table (minigraph.op_cases) on every available backend, with guard bytes around every
+"""The op table (minigraph.testing.op_cases) on every available backend, with guard bytes around every
 intermediate; plus the coverage check that every registered op has cases and kernels."""
 import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.op_cases import CASES, compare, ops_without_cases, run_built
+from minigraph.testing.op_cases import CASES, compare, ops_without_cases, run_built
 from minigraph.registry import OPS
 
 SEEDS = (0, 1, 2)

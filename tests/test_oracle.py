@@ -1,6 +1,6 @@
 """minigraph's reference backend against real ggml (libggml-python 0.20.2.post1, CPU).
 
-Every op case of minigraph.op_cases that ggml can run is built twice from the same seed, once
+Every op case of minigraph.testing.op_cases that ggml can run is built twice from the same seed, once
 computed by minigraph's `ref` backend and once by ggml through minigraph/ggml_oracle.py, and the
 outputs compared (bit for bit for copies and index ops). The conv-state store of seed 000
 (REFERENCE §4.3) is also run whole and every byte of the state buffer compared.
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.op_cases import CASES, Built, compare, run_built
+from minigraph.testing.op_cases import CASES, Built, compare, run_built
 from minigraph.tensor import Context
 
 if importlib.util.find_spec("libggml") is None:
     pytest.skip("real ggml is not installed: pip install libggml-python==0.20.2.post1 "
                 "(the 'test' extra) to run the oracle tests", allow_module_level=True)
 
-from minigraph.ggml_oracle import GgmlRefuses, run_in_ggml  # noqa: E402
+from minigraph.testing.ggml_oracle import GgmlRefuses, run_in_ggml  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -57,7 +57,7 @@ def test_case_matches_ggml(case):
 
 def test_every_ggml_case_is_covered():
     """The oracle translates every op that a ggml-runnable case uses."""
-    from minigraph.ggml_oracle import _TRANSLATE
+    from minigraph.testing.ggml_oracle import _TRANSLATE
     ops = {c.op for c in CASES if c.ggml}
     assert ops <= set(_TRANSLATE), sorted(ops - set(_TRANSLATE))
 

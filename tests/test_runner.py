@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from models.graph import SLOT_ORDERS, GraphInput
-from models.runner import Runner, clamp_n_rs_seq
-from models.toy import ToyConvModel
+from minigraph.models.graph import SLOT_ORDERS, GraphInput
+from minigraph.models.runner import Runner, clamp_n_rs_seq
+from minigraph.models.toy import ToyConvModel
 
 
 def toy(devices=None, n_layer=2, seed=0):
@@ -82,7 +82,7 @@ def test_validator_catches_a_stale_graph():
     r = Runner(toy(mg.backend("ref")), mem_size=4, n_rs_seq=1, validate=True)
     r.decode_seq_tokens({0: [1, 2, 3]})
     r.decode_seq_tokens({0: [4]})
-    from models import graph as G
+    from minigraph.models import graph as G
     orig = G.GraphResult.can_reuse
     try:
         G.GraphResult.can_reuse = lambda self, params: True

@@ -5,9 +5,9 @@ Graphs here are built but never allocated: the rules only read shapes, strides a
 import pytest
 
 import minigraph as mg
-from minigraph.split_state import (AXIS_0, AXIS_1, AXIS_2, MIRRORED, PARTIAL, SplitState, SplitStates,
+from minigraph.backends.meta.split_state import (AXIS_0, AXIS_1, AXIS_2, MIRRORED, PARTIAL, SplitState, SplitStates,
                                    device_ne_nb, device_view_offset, even_shares)
-from models.conv_state import build_slot_order
+from minigraph.models.conv_state import build_slot_order
 
 F = mg.f32
 

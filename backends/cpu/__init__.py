@@ -31,7 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     ffi = lib = None
     _IMPORT_ERROR = e
 
-REBUILD_HINT = ("the CPU backend's C extension backends.cpu._kernels is not built or does not load "
+REBUILD_HINT = ("the CPU backend's C extension minigraph.backends.cpu._kernels is not built or does not load "
                 "({err}); rebuild it with `pip install -e .` in the project root")
 
 # op name -> the C op code's name in backends/cpu/mg.h (one place per op); views compute nothing

@@ -1,5 +1,5 @@
 """cffi build script for the CPU kernels (API mode): `pip install -e .` runs it through
-setup.py's `cffi_modules`, producing the extension module `backends.cpu._kernels`.
+setup.py's `cffi_modules`, producing the extension module `minigraph.backends.cpu._kernels`.
 
 Build switches (environment variables read at build time):
   MINIGRAPH_PORTABLE=1  drop -march=native (a binary that runs on any x86-64 / the host ISA
@@ -47,7 +47,7 @@ _args, _link = compile_args()
 # setuptools wants source paths relative to the project root (where setup.py runs)
 _rel = os.path.relpath(HERE, os.getcwd())
 ffibuilder.set_source(
-    "backends.cpu._kernels",
+    "minigraph.backends.cpu._kernels",
     '#include "mg.h"\n',
     sources=[os.path.join(_rel, s) for s in SOURCES],
     include_dirs=[HERE],

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import minigraph as mg
-from backends.cuda import CudaBackend
+from minigraph.backends.cuda import CudaBackend
 
 
 class Timer:
@@ -199,7 +199,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.emu:
-        from backends.cuda.emu import EmuDevice
+        from minigraph.backends.cuda.emu import EmuDevice
         be = CudaBackend(args.device, device=EmuDevice())
         scale, copy_bytes, repeat = 64, 1 << 20, 2
     else:

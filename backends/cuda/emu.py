@@ -6,8 +6,8 @@ emu.h, which runs each launch block by block with one fiber per CUDA thread (so
 __syncthreads and warp shuffles behave as on the hardware). Each launch also checks the
 argument list against the kernel's parameter types, which a real launch cannot do.
 
-    from backends.cuda import CudaBackend
-    from backends.cuda.emu import EmuDevice
+    from minigraph.backends.cuda import CudaBackend
+    from minigraph.backends.cuda.emu import EmuDevice
     be = CudaBackend(0, device=EmuDevice())
 """
 from __future__ import annotations

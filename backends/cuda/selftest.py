@@ -2,7 +2,7 @@
 (tests/test_cuda_backend.py, real device) and the emulator tests (tests/test_cuda_compile.py,
 the same kernels on the CPU). Each takes ``make_backend``: a function returning a fresh backend.
 
-Beyond the op table (minigraph.op_cases.CASES), EXTRA_CASES reach the code paths the table's small
+Beyond the op table (minigraph.testing.op_cases.CASES), EXTRA_CASES reach the code paths the table's small
 shapes do not: state dims that need 4 or 32 values per lane, the any-width conv kernel, tiled
 transposes with partial tiles, and write-through ops whose source overlaps their destination."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 import minigraph as mg
 from minigraph.errors import OpError
-from minigraph.op_cases import Built, Case, compare, run_built
+from minigraph.testing.op_cases import Built, Case, compare, run_built
 from minigraph.tensor import Context
 from minigraph.types import f16, f32, i32, i64
 

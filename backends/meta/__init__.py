@@ -8,7 +8,7 @@ like any other: buffers, tensors, set/numpy and graph compute, usable alone or i
   of a tensor lives at the tensor's offset in device j's buffer with device j's extents and
   strides (split_state.device_ne_nb; ggml does the same with the tensor's data offset).
 * Split states: weights and caches (leaves that are neither graph inputs nor scheduler copies)
-  from the split callback, everything else derived by minigraph.split_state's rules.
+  from the split callback, everything else derived by minigraph.backends.meta.split_state's rules.
   `set_split_state(fn)` may be called after tensors exist: their data is gathered and re-sliced.
 * Compute: the node list is expanded into one simple graph per device (sliced shapes, strides,
   view offsets); a node whose own state is PARTIAL ends a subgraph and is all-reduced (each
@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node
+from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node, register_backend
 from minigraph.errors import OpError
-from minigraph.split_state import (MIRRORED, PARTIAL, SplitState, SplitStates, device_ne_nb,
+from minigraph.backends.meta.split_state import (MIRRORED, PARTIAL, SplitState, SplitStates, device_ne_nb,
                                    device_view_offset, even_shares, format_states, states_table)
 from minigraph.tensor import Tensor
 
-__all__ = ["MetaBackend", "split_by_name", "even_shares", "recipe_for", "parse_meta_name"]
+__all__ = ["MetaBackend", "split_by_name", "even_shares", "recipe_for"]
 
 
 @dataclass
@@ -377,17 +377,9 @@ def recipe_for(model):
     return _r(model)
 
 
-def parse_meta_name(name: str):
-    """'meta(cpu:0,cpu:1)' -> ['cpu:0', 'cpu:1'], or None if name is not a meta device."""
-    m = re.fullmatch(r"\s*meta\((.*)\)\s*", name)
-    if not m:
-        return None
-    inner = [s.strip() for s in m.group(1).split(",") if s.strip()]
-    if not inner:
-        raise ValueError(f"bad device name {name!r}: a meta device lists its simple devices, e.g. meta(cpu:0,cpu:1)")
-    return inner
+def _factory(inner_names: list) -> MetaBackend:
+    from minigraph.backend import backend
+    return MetaBackend([backend(n) for n in inner_names])
 
 
-def make_meta(inner_names: list) -> MetaBackend:
-    import minigraph as mg
-    return MetaBackend([mg.backend(n) for n in inner_names])
+register_backend("meta", _factory, composite=True)

@@ -3,7 +3,7 @@ llama_meta_device_get_split_state in small): weights and caches are split so tha
 layer has a valid split state and each mixer / FFN ends in one all-reduce (its output
 projection), the residual stream staying MIRRORED.
 
-* toy-conv with out_proj (backends/meta/demo.py): in_proj and conv by channel (axis 1), norm and
+* toy-conv with out_proj (models/toy_tp.py): in_proj and conv by channel (axis 1), norm and
   out_proj on axis 0, cache_r_l by channel (axis 0, n_cols = d_conv-1 elements per channel).
 * qwen35 (models/delta_net.py), as llama.cpp splits Qwen 3.5: the fused q|k|v rows are one
   segment of key_dim repeated 2 + Hv/Hk times (v is segmented on the scale of k, so v head h
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from minigraph.split_state import SplitState, even_shares
+from minigraph.backends.meta.split_state import SplitState, even_shares
 
 
 def _split(axis: int, seg: int, n_dev: int, granule: int = 1, nr: int = 1) -> SplitState:

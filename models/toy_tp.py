@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import minigraph as mg
-from models.toy import ToyConvModel
+from minigraph.models.toy import ToyConvModel
 
 
 class ToyConvTPModel(ToyConvModel):

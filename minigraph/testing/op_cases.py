@@ -9,10 +9,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import ops as _ops  # noqa: F401
-from .registry import OPS
-from .tensor import Context, Tensor
-from .types import DType, f16, f32, i32, i64
+import minigraph.ops as _ops  # noqa: F401
+from minigraph.registry import OPS
+from minigraph.tensor import Context, Tensor
+from minigraph.types import DType, f16, f32, i32, i64
 
 import minigraph as mg
 
@@ -492,8 +492,8 @@ def ops_without_cases() -> list[str]:
 
 def run_built(b: Built, backend, graph_hook=None) -> list[np.ndarray]:
     """Allocate the leaves on ``backend``, fill them, compute, and read every out back."""
-    from .backend import alloc_ctx_tensors
-    from .graph import Graph
+    from minigraph.backend import alloc_ctx_tensors
+    from minigraph.graph import Graph
     alloc_ctx_tensors(b.ctx, backend)
     for t, arr in b.data.items():
         t.set(arr)

@@ -32,9 +32,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .errors import OpError
-from .registry import OPS
-from .tensor import MAX_DIMS, Tensor
+from minigraph.errors import OpError
+from minigraph.registry import OPS
+from minigraph.tensor import MAX_DIMS, Tensor
 
 AXIS_0, AXIS_1, AXIS_2, AXIS_3 = 0, 1, 2, 3
 MIRRORED = 10
