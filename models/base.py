@@ -65,6 +65,14 @@ class WeightMaker:
         self.values = []
 
 
+def require_equal_seqs(g, arch: str, il: int) -> None:
+    """The mixers reshape [n_tokens] into [n_seq_tokens, n_seqs]: the ubatch must have been split
+    with equal sequence lengths (llama.cpp's split_equal)."""
+    if g.n_tokens != g.n_seq_tokens * g.n_seqs:
+        raise ValueError(f"{arch} layer {il}: the ubatch needs equal sequences, but n_tokens {g.n_tokens} "
+                         f"!= n_seq_tokens {g.n_seq_tokens} * n_seqs {g.n_seqs} (split it with split_equal)")
+
+
 def build_norm(x: mg.Tensor, w: mg.Tensor | None, eps: float) -> mg.Tensor:
     """RMS norm over dim 0 times the weight (llama.cpp's build_norm with LLM_NORM_RMS); w None:
     the plain RMS norm."""

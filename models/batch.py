@@ -261,12 +261,14 @@ class BatchAllocr:
         self.out_ids: list[int] = []
 
     def _take(self, i: int):
-        assert not self.used[i]
+        if self.used[i]:
+            raise RuntimeError(f"batch splitter: token {i} is already in a ubatch (taken twice)")
         self.used[i] = True
         self.n_used += 1
 
     def _give_back(self, i: int):
-        assert self.used[i]
+        if not self.used[i]:
+            raise RuntimeError(f"batch splitter: token {i} is given back but was never taken")
         self.used[i] = False
         self.n_used -= 1
 

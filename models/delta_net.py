@@ -16,7 +16,7 @@ import numpy as np
 
 import minigraph as mg
 
-from .base import RecurrentModel
+from .base import RecurrentModel, require_equal_seqs
 
 
 def build_delta_net_layer(g, inp_rs, cur, il: int, w: dict, hp: "DeltaNetModel") -> mg.Tensor:
@@ -27,7 +27,9 @@ def build_delta_net_layer(g, inp_rs, cur, il: int, w: dict, hp: "DeltaNetModel")
     key_dim, value_dim, conv_channels = hp.key_dim, hp.value_dim, hp.conv_channels
     n_seq_tokens, n_seqs = g.n_seq_tokens, g.n_seqs
     K = g.n_rs_seq + 1
-    assert head_k_dim == head_v_dim and g.n_tokens == n_seq_tokens * n_seqs   # equal_seqs
+    if head_k_dim != head_v_dim:
+        raise ValueError(f"delta-net layer {il}: head_k_dim {head_k_dim} must equal head_v_dim {head_v_dim}")
+    require_equal_seqs(g, "delta-net", il)
 
     conv_states_all = g.mctx.r_l[il]                            # [n_embd_r, mem_size*K]
     ssm_states_all = g.mctx.s_l[il]                             # [n_embd_s, mem_size*K]

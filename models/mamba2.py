@@ -15,7 +15,7 @@ import numpy as np
 
 import minigraph as mg
 
-from .base import RecurrentModel
+from .base import RecurrentModel, require_equal_seqs
 
 
 def build_mamba2_layer(g, inp_rs, cur, il: int, w: dict, hp: "Mamba2Model") -> mg.Tensor:
@@ -26,7 +26,9 @@ def build_mamba2_layer(g, inp_rs, cur, il: int, w: dict, hp: "Mamba2Model") -> m
     n_seq_tokens, n_seqs = g.n_seq_tokens, g.n_seqs
     K = g.n_rs_seq + 1
     conv_channels = d_inner + 2 * n_group * d_state
-    assert d_inner % n_head == 0 and g.n_tokens == n_seq_tokens * n_seqs   # equal_seqs
+    if d_inner % n_head:
+        raise ValueError(f"mamba2 layer {il}: d_inner {d_inner} must be a multiple of n_head {n_head}")
+    require_equal_seqs(g, "mamba2", il)
 
     conv_states_all = g.mctx.r_l[il]                            # [n_embd_r, mem_size*K]
     ssm_states_all = g.mctx.s_l[il]                             # [n_embd_s, mem_size*K]

@@ -260,7 +260,8 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
         for leaf in gf.leafs:
             t = g[leaf] = lib.ggml_new_tensor(ctx, leaf.type.ggml_id, 4, leaf.ne)
             data = np.ascontiguousarray(built.data[leaf], dtype=leaf.type.np_dtype)
-            assert data.size == leaf.nelements(), leaf.label
+            if data.size != leaf.nelements():
+                raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {leaf.nelements()} elements")
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
         for node in gf.nodes:
             src = lambda name, node=node: g[node.srcs[name]]  # noqa: E731

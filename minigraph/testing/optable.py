@@ -1,9 +1,14 @@
-"""The op table of the README, generated from the registry:  python -m minigraph.optable"""
+"""The op table of the README, generated from the registry and the op test table:
+
+    python -m minigraph.testing.optable
+
+It lives in minigraph.testing, not the core, because it counts the op cases (minigraph.testing.op_cases):
+the core never imports the test layer."""
 from __future__ import annotations
 
-from . import ops as _ops  # noqa: F401
-from .testing.op_cases import CASES
-from .registry import OPS
+from minigraph import ops as _ops  # noqa: F401  (fills the registry)
+from minigraph.registry import OPS
+from minigraph.testing.op_cases import CASES
 
 
 def markdown_table() -> str:
