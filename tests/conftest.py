@@ -1,9 +1,78 @@
+"""Session-wide rules: hypothesis profiles, and tests never shrink silently.
+
+- The CPU backend's C extension is always expected: if it does not load, the run stops with the
+  load error (instead of its tests skipping).
+- CUDA is expected only where CuPy is installed and a device is visible; then it must load too.
+  Elsewhere the GPU tests skip, each with its reason (pytest -ra lists them).
+- A skip must say why: a skip with no reason fails."""
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+import minigraph as mg
 
 # sized for a 2-core CI machine: the whole suite must stay well under five minutes
 settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def cuda_absent_reason() -> str | None:
+    """Why no CUDA device is expected here, or None when CuPy sees one."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:           # no driver, driver too old for this CuPy
+        return f"CuPy sees no CUDA device ({e})"
+    return None if n > 0 else "CuPy sees no CUDA device"
+
+
+def backends_that_must_load_but_do_not() -> list[str]:
+    expected = ["cpu"] + (["cuda:0"] if cuda_absent_reason() is None else [])
+    failures = []
+    for name in expected:
+        try:
+            mg.backend(name)
+        except Exception as e:
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+    return failures
+
+
+def pytest_sessionstart(session):
+    failures = backends_that_must_load_but_do_not()
+    if failures:
+        pytest.exit("expected backends do not load (their tests would silently not run):\n  "
+                    + "\n  ".join(failures), returncode=pytest.ExitCode.INTERNAL_ERROR)
+
+
+# -- a skip must say why -----------------------------------------------------------------------
+_NO_REASON = {"", "skipped", "unconditional skip"}
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
+    return reason.removeprefix("Skipped:").strip()
+
+
+def _fail_if_skipped_without_reason(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and _skip_reason(report).lower() in _NO_REASON:
+        report.outcome = "failed"
+        report.longrepr = f"{report.nodeid}: skipped without a reason; say why it cannot run here"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_if_skipped_without_reason(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_if_skipped_without_reason(outcome.get_result())
