@@ -17,23 +17,47 @@ def _fail(msg: str, code: int = 2):
     raise SystemExit(code)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block), exit status 2."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low, else a one-line error naming the rule."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _common(p, model=True):
     if model:
         p.add_argument("model", help="mamba2, delta-net, lfm, kda (or toy)")
     p.add_argument("--devices", default="cpu", help="comma-separated devices in priority order, the host last "
                    "(default: cpu); layers are split over them in order")
-    p.add_argument("--n-rs-seq", type=int, default=3, help="rollback depth (K = n_rs_seq + 1 slots)")
+    p.add_argument("--n-rs-seq", type=_int_at_least(0), default=3, help="rollback depth (K = n_rs_seq + 1 slots)")
     p.add_argument("--slot-order", default="per-layer", choices=["per-layer", "shared-first-layer", "host-input"])
-    p.add_argument("--ubatch", type=int, default=8, help="tokens per ubatch")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("--layers", type=int, default=0, help="number of layers (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ubatch", type=_int_at_least(1), default=8, help="tokens per ubatch")
+    p.add_argument("--threads", type=_int_at_least(0), default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--layers", type=_int_at_least(0), default=0, help="number of layers (default: the model's)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--gguf", default=None, help="load weights from a GGUF file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _setup(args):
     from minigraph.models.zoo import UsageError, make_model, parse_devices
+    if args.gguf and not os.path.isfile(args.gguf):
+        _fail(f"--gguf {args.gguf}: no such file")
     try:
         devices = parse_devices(args.devices)
         if args.threads:
@@ -48,8 +72,6 @@ def _setup(args):
         if hasattr(d, "set_split_state"):
             from minigraph.backends.meta import recipe_for
             d.set_split_state(recipe_for(model))
-    if args.n_rs_seq < 0:
-        _fail("--n-rs-seq must be >= 0")
     return devices, model
 
 
@@ -261,55 +283,86 @@ def cmd_reuse(args):
 
 
 # -- check -----------------------------------------------------------------------------------
+CHECK_COLUMNS = ("ref", "cpu", "cuda:0", "ggml")     # "ggml": real ggml, the oracle
+
+
+def _check_columns(names):
+    """Each asked column -> what runs it (a backend, or the ggml oracle module) or, for a column
+    that cannot run here, the reason as a string. A name that is no device at all is a usage error."""
+    import minigraph as mg
+    out = {}
+    for name in names:
+        if name == "ggml":
+            try:
+                from minigraph.testing import ggml_oracle
+                out[name] = ggml_oracle
+            except Exception as e:        # libggml-python missing or its libraries do not load
+                out[name] = f"{type(e).__name__}: {e}"
+            continue
+        try:
+            be = mg.backend(name)
+        except ValueError as e:           # bad syntax or unknown kind: the user's typo
+            _fail(f"bad backend {name!r} in --backends: {e}")
+        except Exception as e:            # a known kind this machine cannot run (no GPU, no extension)
+            out[name] = f"{type(e).__name__}: {e}"
+            continue
+        out[be.name] = be
+    return out
+
+
+def _check_cell(case, col, runner, ref, seeds) -> bool | None:
+    """True: every seed agrees with the reference; False: one does not (or raises); None: the
+    case is not meant for this column (real ggml refuses it)."""
+    from minigraph.testing.op_cases import compare, run_built
+    if col == "ggml" and not case.ggml:
+        return None
+    for seed in range(seeds):
+        try:
+            want = run_built(case.make(np.random.default_rng(seed)), ref)
+            b = case.make(np.random.default_rng(seed))
+            got = runner.run_in_ggml(b) if col == "ggml" else run_built(b, runner)
+            limit = None if case.exact else max(case.nmse, 1e-10)
+            if compare(case, b, got, want, nmse_limit=limit) is not None:
+                return False
+        except Exception:
+            return False
+    return True
+
+
 def cmd_check(args):
     import minigraph as mg
-    from minigraph.testing.op_cases import CASES, compare, run_built
-    backends = []
-    for name in ("ref", "cpu", "cuda:0"):
-        try:
-            backends.append(mg.backend(name))
-        except Exception:
-            pass
-    oracle = None
-    try:
-        from minigraph.testing import ggml_oracle
-        oracle = ggml_oracle
-    except Exception:
-        pass
-    cols = [b.name for b in backends] + (["ggml"] if oracle else [])
-    rows, n_fail = [], 0
+    from minigraph.testing.op_cases import CASES
+    asked = args.backends is not None
+    names = [n.strip() for n in (args.backends or ",".join(CHECK_COLUMNS)).split(",") if n.strip()]
+    if not names:
+        _fail("--backends is empty")
+    columns = _check_columns(names)
+    runners = {c: r for c, r in columns.items() if not isinstance(r, str)}
+    not_run = {c: r for c, r in columns.items() if isinstance(r, str)}
     ref = mg.backend("ref")
+    rows, n_fail = [], 0
     for case in CASES:
-        cells = []
-        for col in cols:
-            ok = True
-            for seed in range(args.seeds):
-                try:
-                    want = run_built(case.make(np.random.default_rng(seed)), ref)
-                    b = case.make(np.random.default_rng(seed))
-                    if col == "ggml":
-                        if not case.ggml:
-                            ok = None
-                            break
-                        got = oracle.run_in_ggml(b)
-                    else:
-                        got = run_built(b, mg.backend(col))
-                    if compare(case, b, got, want, nmse_limit=None if case.exact else max(case.nmse, 1e-10)) is not None:
-                        ok = False
-                except Exception:
-                    ok = False
-            cells.append(ok)
-            n_fail += ok is False
+        cells = [_check_cell(case, col, runner, ref, args.seeds) for col, runner in runners.items()]
+        n_fail += sum(c is False for c in cells)
         rows.append((case.id, cells))
+    cols = list(runners)
     if args.json:
-        print(json.dumps({"columns": cols, "rows": {cid: c for cid, c in rows}, "failed": n_fail}))
+        print(json.dumps({"columns": cols, "rows": {cid: c for cid, c in rows}, "failed": n_fail,
+                          "not_run": not_run}))
     else:
         w = max(len(cid) for cid, _ in rows)
-        print(f"{'case':{w}s}  " + "  ".join(f"{c:6s}" for c in cols))
-        mark = {True: "ok", False: "FAIL", None: "-"}
-        for cid, cells in rows:
-            print(f"{cid:{w}s}  " + "  ".join(f"{mark[c]:6s}" for c in cells))
-        print(f"{len(rows)} cases x {len(cols)} columns, {n_fail} failed")
+        if cols:
+            print(f"{'case':{w}s}  " + "  ".join(f"{c:6s}" for c in cols))
+            mark = {True: "ok", False: "FAIL", None: "-"}
+            for cid, cells in rows:
+                print(f"{cid:{w}s}  " + "  ".join(f"{mark[c]:6s}" for c in cells))
+        print(f"{len(rows)} cases x {len(cols)} columns, {n_fail} failed"
+              + (f", {len(not_run)} not run" if not_run else ""))
+        for col, why in not_run.items():
+            print(f"not run: {col}: {why}")
+    if asked and not_run:             # the user named a backend this machine cannot run
+        print(f"minigraph: error: could not run {', '.join(not_run)} (asked for with --backends)", file=sys.stderr)
+        return 1
     return 0 if n_fail == 0 else 1
 
 
@@ -329,12 +382,12 @@ def cmd_bench(args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="minigraph", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="minigraph", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="decode a synthetic stream with speculative drafts and rollbacks")
     _common(p)
-    p.add_argument("--draft", type=int, default=None, help="max draft length (default: n_rs_seq)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--draft", type=_int_at_least(1), default=None, help="max draft length (default: n_rs_seq)")
+    p.add_argument("--steps", type=_int_at_least(0), default=20)
     p.add_argument("--reeval", action="store_true", help="on a refused rollback, re-evaluate from scratch instead of failing")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("placement", help="where each conv layer's slot order lives and what is copied")
@@ -346,10 +399,13 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_placement)
     p = sub.add_parser("reuse", help="graph reuse on, off and validated")
     _common(p)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=_int_at_least(1), default=30)
     p.set_defaults(fn=cmd_reuse)
     p = sub.add_parser("check", help="the op table on every available backend and real ggml")
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--backends", default=None, help="comma-separated columns, e.g. ref,cpu,cuda:0,ggml "
+                   "(ggml: real ggml); default: all, and those this machine cannot run are listed as "
+                   "not run; a named one that cannot run makes the exit status 1")
+    p.add_argument("--seeds", type=_int_at_least(1), default=2)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="the op, model and reuse benchmarks")

@@ -2,6 +2,7 @@
 parses and agrees with the API, and error paths that exit non-zero with one clear line."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,8 +11,24 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cli(*args, expect=0):
-    p = subprocess.run([sys.executable, "-m", "minigraph.cli", *args], capture_output=True, text=True,
+# run the command with one module made unimportable, as on a machine without it
+BLOCKED_RUN = """
+import sys
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            raise ImportError(f"pretend {name} is missing")
+
+sys.meta_path.insert(0, Block())
+from minigraph.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+def cli(*args, expect=0, block=None):
+    cmd = ["-c", BLOCKED_RUN, block] if block else ["-m", "minigraph.cli"]
+    p = subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True,
                        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == expect, f"exit {p.returncode}\nstdout:{p.stdout}\nstderr:{p.stderr}"
     return p
@@ -66,6 +83,28 @@ def test_reuse_json():
 def test_check_json():
     d = json.loads(cli("check", "--seeds", "1", "--json").stdout)
     assert d["failed"] == 0 and "cpu:0" in d["columns"] and "ggml" in d["columns"]
+    # every default column either ran or says why not (cuda:0 without a GPU)
+    assert set(d["columns"]) | set(d["not_run"]) == {"ref", "cpu:0", "cuda:0", "ggml"}
+    assert all(why.strip() for why in d["not_run"].values())
+
+
+def test_check_lists_the_oracle_it_could_not_run():
+    p = cli("check", "--seeds", "1", "--backends", "ref,cpu,ggml", block="libggml", expect=1)
+    assert re.search(r"\d+ cases x 2 columns, 0 failed, 1 not run", p.stdout), p.stdout
+    assert "not run: ggml: ImportError: pretend libggml is missing" in p.stdout, p.stdout
+    assert p.stderr.strip() == "minigraph: error: could not run ggml (asked for with --backends)"
+
+
+def test_check_without_backends_named_lists_what_it_skips_and_passes():
+    d = json.loads(cli("check", "--seeds", "1", "--json", block="libggml").stdout)
+    assert "ggml" not in d["columns"] and "pretend libggml is missing" in d["not_run"]["ggml"]
+    assert d["failed"] == 0
+
+
+def test_check_fails_when_the_cpu_extension_asked_for_does_not_load():
+    p = cli("check", "--seeds", "1", "--backends", "ref,cpu", block="minigraph.backends.cpu._kernels", expect=1)
+    assert "not run: cpu: RuntimeError: the CPU backend's C extension" in p.stdout, p.stdout
+    assert "could not run cpu" in p.stderr
 
 
 def test_bench_reuse_quick():
