@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from struct import error as struct_error
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,14 @@ def _gguf():
         raise ImportError("models.gguf_io needs the `gguf` package: pip install 'minigraph[gguf]' "
                           "(or pip install gguf)") from e
     return gguf
+
+
+def _open(path):
+    """The file's GGUFReader; a file that is not GGUF (bad magic, truncated) is a GGUFError naming it."""
+    try:
+        return _gguf().GGUFReader(str(path))
+    except (ValueError, IndexError, struct_error) as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 # -- metadata: hparams <-> llama.cpp keys, per arch ----------------------------------------------
@@ -319,7 +328,7 @@ def _field_value(field):
 
 def read_metadata(path) -> dict:
     """All key/value pairs of a GGUF file, values as Python objects."""
-    reader = _gguf().GGUFReader(str(path))
+    reader = _open(path)
     return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
@@ -351,7 +360,7 @@ def load_gguf(path, devices=None):
     """Read a GGUF file written by save_gguf (or any file of the same structure): construct the
     arch's model class on `devices` (None, one backend, or one per layer) and fill its weights."""
     gguf = _gguf()
-    reader = gguf.GGUFReader(str(path))
+    reader = _open(path)
     kv_all = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = kv_all.get("general.architecture")
     if not isinstance(arch, str):
