@@ -261,12 +261,14 @@ class BatchAllocr:
         self.out_ids: list[int] = []
 
     def _take(self, i: int):
-        assert not self.used[i]
+        if self.used[i]:
+            raise ValueError(f"BatchAllocr: token {i} is already in a ubatch (rule: each token is split once)")
         self.used[i] = True
         self.n_used += 1
 
     def _give_back(self, i: int):
-        assert self.used[i]
+        if not self.used[i]:
+            raise ValueError(f"BatchAllocr: token {i} is not in a ubatch, nothing to give back")
         self.used[i] = False
         self.n_used -= 1
 
