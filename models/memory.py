@@ -12,7 +12,6 @@ its initial state from plane k (`s_copy`). The memory refuses a rollback it cann
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -51,6 +50,9 @@ class Cell:
 
     def has_seq_id(self, s: int) -> bool:
         return s in self.seq_id
+
+    def copy(self) -> "Cell":
+        return Cell(self.pos, self.src, self.src0, self.tail, set(self.seq_id))
 
 
 @dataclass
@@ -223,12 +225,14 @@ class RecurrentMemory:
 
     # -- find_slot (REFERENCE §2.3) -----------------------------------------------------------
     def _meta(self) -> dict:
-        return {"cells": copy.deepcopy(self.cells), "head": self.head, "n": self.n, "used": self.used,
+        # Cell.copy, not copy.deepcopy: find_slot and every atomic step save the metadata, and
+        # deepcopy of 64 cells costs milliseconds
+        return {"cells": [c.copy() for c in self.cells], "head": self.head, "n": self.n, "used": self.used,
                 "rs_z": self.rs_z, "rs_idx": list(self.rs_idx), "n_last": list(self.n_last),
                 "ubatch_seqs": set(self._ubatch_seqs)}
 
     def _set_meta(self, m: dict):
-        self.cells = copy.deepcopy(m["cells"])
+        self.cells = [c.copy() for c in m["cells"]]
         self.head, self.n, self.used, self.rs_z = m["head"], m["n"], m["used"], m["rs_z"]
         self.rs_idx, self.n_last = list(m["rs_idx"]), list(m["n_last"])
         self._ubatch_seqs = set(m["ubatch_seqs"])
