@@ -13,7 +13,9 @@ K = 4 planes) on `cpu` decodes 4 sequences, one token each per step (one ubatch)
 - `rows`  atomic=True: cell metadata plus the rows the ubatch may write (models/step_journal.py).
 
 The three runners of a mem_size alternate in rounds of `--steps` timed steps; the step time is the
-median over all timed steps. `snapshot KiB/step` is what the journal copied per step (the
+median over all timed steps, on the wall clock (`step ms`, `tokens/s`) and in this process's CPU
+time (`cpu ms`: user + system, all threads; steadier than the wall clock on a shared machine, and
+it includes the page faults of fresh snapshot buffers); `vs off` compares cpu ms. `snapshot KiB/step` is what the journal copied per step (the
 runner's `stats.snapshot_bytes`); `cache MiB` the size of the whole r/s cache. The last line is
 `full/rows snapshot bytes per step at mem_size M: R`.
 """
@@ -47,7 +49,7 @@ def make_model(args, be):
 
 
 def bench_mem_size(model, mem_size, args):
-    """{mode: (median step s, snapshot bytes per step, cache bytes)} for one mem_size."""
+    """{mode: (median step s, median step cpu s, snapshot bytes per step, cache bytes)}."""
     rng = np.random.default_rng(0)
     runners = {}
     for mode, atomic in MODES.items():
@@ -57,19 +59,21 @@ def bench_mem_size(model, mem_size, args):
             r.decode_seq_tokens({s: [int(rng.integers(model.n_vocab))] for s in range(N_SEQS)})
         runners[mode] = r
     times = {mode: [] for mode in MODES}
+    cpu = {mode: [] for mode in MODES}
     bytes0 = {mode: (r.stats.snapshot_bytes, r.stats.steps) for mode, r in runners.items()}
     for _ in range(args.rounds):
         for mode, r in runners.items():
             for _ in range(args.steps):
                 step = {s: [int(rng.integers(model.n_vocab))] for s in range(N_SEQS)}
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 r.decode_seq_tokens(step)
                 times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
     out = {}
     for mode, r in runners.items():
         b, n = r.stats.snapshot_bytes - bytes0[mode][0], r.stats.steps - bytes0[mode][1]
         cache = sum(t.nbytes() for t in r.memory.tensors())
-        out[mode] = (statistics.median(times[mode]), b / max(n, 1), cache)
+        out[mode] = (statistics.median(times[mode]), statistics.median(cpu[mode]), b / max(n, 1), cache)
     return out
 
 
@@ -79,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--mem-sizes", default="4,64", help="cell counts, comma separated")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per runner per round")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="append the report to bench/RESULTS.md")
     args = ap.parse_args(argv)
@@ -94,18 +98,18 @@ def main(argv=None):
              f"mode, cpu {args.threads} thread(s), {platform.machine()} {os.cpu_count()} cores, "
              f"load avg {os.getloadavg()[0]:.1f}",
              f"{'mem_size':>8s} {'atomic':>6s} {'cache MiB':>10s} {'snapshot KiB/step':>18s} "
-             f"{'step ms':>8s} {'tokens/s':>9s} {'vs off':>7s}"]
+             f"{'step ms':>8s} {'tokens/s':>9s} {'cpu ms':>8s} {'vs off':>7s}"]
     ratios = []
     for mem_size in [int(x) for x in args.mem_sizes.split(",")]:
         res = bench_mem_size(model, mem_size, args)
-        t_off = res["off"][0]
-        for mode, (t, snap, cache) in res.items():
+        c_off = res["off"][1]
+        for mode, (t, c, snap, cache) in res.items():
             lines.append(f"{mem_size:8d} {mode:>6s} {cache / 2**20:10.1f} {snap / 2**10:18.1f} "
-                         f"{t * 1e3:8.2f} {N_SEQS / t:9.1f} {(t / t_off - 1) * 100:+6.1f}%")
-        ratios.append((mem_size, res["full"][1] / res["rows"][1] if res["rows"][1] else float("inf")))
+                         f"{t * 1e3:8.2f} {N_SEQS / t:9.1f} {c * 1e3:8.2f} {(c / c_off - 1) * 100:+6.1f}%")
+        ratios.append((mem_size, res["full"][2] / res["rows"][2] if res["rows"][2] else float("inf")))
     for mem_size, ratio in ratios:
         lines.append(f"full/rows snapshot bytes per step at mem_size {mem_size}: {ratio:.1f}")
-    lines.append(f"# wall {time.perf_counter() - t_start:.0f} s")
+    lines.append(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {os.getloadavg()[0]:.1f}")
     report = "\n".join(lines)
     print(report)
     if args.write:
