@@ -12,7 +12,6 @@ its initial state from plane k (`s_copy`). The memory refuses a rollback it cann
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from .batch import Ubatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cell", "RecurrentMemory", "RecurrentContext", "MemorySnapshot", "StateFileError"]
+__all__ = ["Cell", "RecurrentMemory", "RecurrentContext", "MemorySnapshot", "StateFileError", "coalesce_rows"]
 
 POS_INF = 2**31 - 1            # llama_pos max: "to the end"
 STATE_FORMAT = "minigraph-recurrent-state"
@@ -52,12 +51,26 @@ class Cell:
     def has_seq_id(self, s: int) -> bool:
         return s in self.seq_id
 
+    def copy(self) -> "Cell":
+        return Cell(self.pos, self.src, self.src0, self.tail, set(self.seq_id))
+
 
 @dataclass
 class MemorySnapshot:
     """Everything `restore` needs to put the memory back exactly: metadata and state bytes."""
     meta: dict
     data: dict                    # tensor name -> uint8 array
+
+
+def coalesce_rows(spans) -> list[tuple[int, int]]:
+    """(row0, count) spans sorted, overlapping or adjacent ones merged: one byte range each."""
+    out: list[list[int]] = []
+    for row0, count in sorted((int(a), int(b)) for a, b in spans if b > 0):
+        if out and row0 <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], row0 + count - out[-1][0])
+        else:
+            out.append([row0, count])
+    return [(a, b) for a, b in out]
 
 
 def _per_layer(v, il: int) -> int:
@@ -212,12 +225,14 @@ class RecurrentMemory:
 
     # -- find_slot (REFERENCE §2.3) -----------------------------------------------------------
     def _meta(self) -> dict:
-        return {"cells": copy.deepcopy(self.cells), "head": self.head, "n": self.n, "used": self.used,
+        # Cell.copy, not copy.deepcopy: find_slot and every atomic step save the metadata, and
+        # deepcopy of 64 cells costs milliseconds
+        return {"cells": [c.copy() for c in self.cells], "head": self.head, "n": self.n, "used": self.used,
                 "rs_z": self.rs_z, "rs_idx": list(self.rs_idx), "n_last": list(self.n_last),
                 "ubatch_seqs": set(self._ubatch_seqs)}
 
     def _set_meta(self, m: dict):
-        self.cells = copy.deepcopy(m["cells"])
+        self.cells = [c.copy() for c in m["cells"]]
         self.head, self.n, self.used, self.rs_z = m["head"], m["n"], m["used"], m["rs_z"]
         self.rs_idx, self.n_last = list(m["rs_idx"]), list(m["n_last"])
         self._ubatch_seqs = set(m["ubatch_seqs"])
@@ -287,7 +302,9 @@ class RecurrentMemory:
             has_cell = False
             if meta.tail >= 0:
                 cell = cells[meta.tail]
-                assert cell.has_seq_id(seq), f"tail of seq {seq} points at cell {meta.tail} without it"
+                if not cell.has_seq_id(seq):
+                    raise ValueError(f"find_slot: the tail of seq {seq} points at cell {meta.tail}, which does "
+                                     f"not hold seq {seq} (rule: a tail cell holds its sequence)")
                 has_cell = len(cell.seq_id) == 1          # does this seq own the cell?
             if not has_cell:
                 if empty is None:
@@ -298,7 +315,9 @@ class RecurrentMemory:
                     ec.pos, ec.src = orig.pos, orig.src
                     orig.seq_id.discard(seq)
                     ec.seq_id.add(seq)                     # overwritten in step 6
-                    assert not orig.is_empty()
+                    if orig.is_empty():
+                        raise ValueError(f"find_slot: cell {meta.tail} held only seq {seq} but was counted as "
+                                         f"shared (rule: a shared tail cell keeps its other sequences)")
                 meta.tail = empty
                 claimed.add(empty)
                 if s + 1 < n_seqs:
@@ -641,6 +660,40 @@ class RecurrentMemory:
             self._set_tensor_bytes(names[name], data)
         self._set_meta(snap.meta)
 
+    # -- the rows a ubatch writes (failure atomicity) -------------------------------------------
+    def rows_written_by(self, ub: Ubatch) -> list[tuple[int, int]]:
+        """The cache rows (row0, count), coalesced, that the graph of `ub` may write, ub having just
+        been placed by find_slot at [head, head+n). The same rows in every r/s tensor:
+
+        - plane 0 of every cell in the range: build_rs zeroes the rs_z row and copies the states
+          of the tail cells [head+n_seqs, head+n) in place;
+        - planes 0..min(n_seq_tokens, K)-1 of the ubatch's own cells [head, head+n_seqs): the conv
+          store and the ssm/delta-net state store write one rollback plane per token kept.
+
+        This is what a step's undo journal copies, so its cost follows the ubatch, not mem_size."""
+        if self.n < ub.n_seqs:
+            raise ValueError(f"rows_written_by: the memory range holds {self.n} cells, the ubatch "
+                             f"{ub.n_seqs} sequences (rule: call it right after a successful find_slot)")
+        spans = [(self.head, self.n)]
+        for plane in range(1, min(ub.n_seq_tokens, self.K)):
+            spans.append((plane * self.size + self.head, ub.n_seqs))
+        return coalesce_rows(spans)
+
+    def read_row_bytes(self, t: mg.Tensor, row0: int, count: int) -> np.ndarray:
+        """Raw bytes of rows [row0, row0+count) of a cache tensor: one contiguous span."""
+        return self._tensor_bytes(t, row0 * t.nb[1], count * t.nb[1])
+
+    def write_row_bytes(self, t: mg.Tensor, row0: int, data: np.ndarray):
+        """Put raw row bytes (from read_row_bytes) back at row0."""
+        self._set_tensor_bytes(t, data, row0 * t.nb[1])
+
+    def meta_copy(self) -> dict:
+        """A deep copy of the cell metadata and the rollback bookkeeping (no state bytes)."""
+        return self._meta()
+
+    def restore_meta(self, meta: dict):
+        self._set_meta(meta)
+
     # -- rows ------------------------------------------------------------------------------------
     def row_index(self, cell: int, plane: int = 0) -> int:
         """Cache row of (plane, cell) = plane*mem_size + cell."""
@@ -773,7 +826,9 @@ class RecurrentMemory:
                     raise StateFileError(f"state_read: failed to find a free cell for seq {seq}: "
                                          f"{self.last_refusal}")
                 head = self.head
-                assert self.cells[head].has_seq_id(seq) and self.cells[head].pos == h["cells"][-1]["pos"]
+                if not (self.cells[head].has_seq_id(seq) and self.cells[head].pos == h["cells"][-1]["pos"]):
+                    raise StateFileError(f"state_read: find_slot placed seq {seq} at cell {head} with pos "
+                                         f"{self.cells[head].pos}, not at the file's pos {h['cells'][-1]['pos']}")
             else:
                 if any(not c["seq_ids"] for c in h["cells"]):
                     raise StateFileError("state_read: the file was written for a single sequence; "

@@ -5,12 +5,19 @@ Graph reuse follows llama.cpp (REFERENCE §3.6): the previous graph is reused wh
 allow it and every input agrees; on reuse only set_input runs — the graph, its schedule, the
 memory plan and the backends' plans are all kept. MINIGRAPH_GRAPH_REUSE=0 disables reuse;
 MINIGRAPH_GRAPH_REUSE_CHECK=1 (or validate=True) recomputes every reused step from a fresh build
-on the same starting memory and raises ReuseMismatch on the first differing byte."""
+on the same starting memory and raises ReuseMismatch on the first differing byte.
+
+Failure atomicity (`atomic`, on by default): a step — `decode` (all its ubatches) or
+`speculative_step` (the draft and its rollback) — that raises leaves the memory's cells and state
+bytes exactly as they were before it. An undo journal (models/step_journal.py) copies the cell
+metadata and, before each ubatch computes, only the cache rows that ubatch may write; `atomic="full"`
+copies the whole cache instead (the old way, for comparison), `atomic=False` copies nothing."""
 from __future__ import annotations
 
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +27,7 @@ import minigraph as mg
 from .batch import Batch, BatchAllocr
 from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult
 from .memory import RecurrentMemory
+from .step_journal import JOURNALS
 
 log = logging.getLogger("minigraph.runner")
 
@@ -44,6 +52,8 @@ class Stats:
     host_s_build: float = 0.0        # graph build + schedule + memory plan (rebuilt steps)
     host_s_reuse: float = 0.0        # reuse check (reused steps)
     copies: list = field(default_factory=list)      # per ubatch: (n copies, bytes)
+    steps: int = 0                   # atomic steps run (decode / speculative_step calls)
+    snapshot_bytes: int = 0          # state bytes the undo journals copied, all steps together
 
 
 def clamp_n_rs_seq(model, n_rs_seq: int) -> int:
@@ -54,6 +64,18 @@ def clamp_n_rs_seq(model, n_rs_seq: int) -> int:
         log.info("n_rs_seq=%d requested but model %s %s; clamping to 0", n_rs_seq, model.arch, why)
         return 0
     return n_rs_seq
+
+
+ATOMIC_MODES = {True: "rows", "rows": "rows", "full": "full", False: None, None: None}
+
+
+def atomic_mode(atomic) -> str | None:
+    """True/"rows" -> "rows" (copy what each ubatch may write), "full" -> "full" (copy the whole
+    cache), False/None -> None (no guarantee, no copy)."""
+    try:
+        return ATOMIC_MODES[atomic]
+    except (KeyError, TypeError):
+        raise ValueError(f"Runner: atomic={atomic!r} is not one of True, False, 'rows', 'full'") from None
 
 
 def default_backends(model) -> list:
@@ -71,7 +93,7 @@ def default_backends(model) -> list:
 class Runner:
     def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
                  slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
-                 validate: bool | None = None, atomic: bool = True):
+                 validate: bool | None = None, atomic: bool | str = True):
         if slot_order not in SLOT_ORDERS:
             raise ValueError(f"unknown slot order {slot_order!r}; choose one of {SLOT_ORDERS}")
         self.model = model
@@ -88,7 +110,8 @@ class Runner:
         self.reuse = env_reuse if reuse is None else reuse
         env_check = os.environ.get("MINIGRAPH_GRAPH_REUSE_CHECK", "0").strip() not in ("0", "")
         self.validate = env_check if validate is None else validate
-        self.atomic = atomic
+        self.atomic = atomic_mode(atomic)
+        self._journal = None             # the undo journal of the step in progress
         self.prev: GraphResult | None = None
         self.stats = Stats()
 
@@ -111,41 +134,65 @@ class Runner:
                     out[t.name] = t.numpy().tobytes()
         return out
 
+    @contextmanager
+    def step(self):
+        """One failure-atomic step: the memory is restored if the body raises. Steps nest: an
+        inner one (decode inside speculative_step, process_ubatch inside decode) joins the outer
+        one's journal, so the whole outer step is undone."""
+        if self._journal is not None or self.atomic is None:
+            yield self._journal
+            return
+        journal = JOURNALS[self.atomic](self.memory)
+        self._journal = journal
+        try:
+            yield journal
+        except BaseException:
+            journal.undo()
+            self.prev = None             # a graph may hold inputs set for the undone step
+            raise
+        finally:
+            self._journal = None
+            self.stats.steps += 1
+            self.stats.snapshot_bytes += journal.nbytes
+
     def process_ubatch(self, ub) -> np.ndarray:
         """Run one ubatch; returns logits [n_tokens, n_vocab] in ubatch order. A failure leaves
-        the memory (cells and state bytes) exactly as it was before the step."""
-        snap = self.memory.snapshot() if self.atomic else None
-        try:
-            if not self.memory.find_slot(ub):
-                raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences")
-            params = GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens)
-            t0 = time.perf_counter()
-            reused = self.reuse and self.prev is not None and self.prev.can_reuse(params)
-            if reused:
-                res = self.prev
-                self.stats.reuses += 1
-                self.stats.host_s_reuse += time.perf_counter() - t0
-            else:
+        the memory (cells and state bytes) exactly as it was before the step (see `step`)."""
+        with self.step() as journal:
+            try:
+                return self._compute_ubatch(ub, journal)
+            except BaseException:
                 self.prev = None
-                res = self._build(params)
-                self.stats.builds += 1
-                self.stats.host_s_build += time.perf_counter() - t0
-            before = self.memory.snapshot() if (reused and self.validate) else None
-            res.set_inputs(ub)
-            res.sched.graph_compute(res.gf)
-            logits = res.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
-            if before is not None:
-                self._validate(params, ub, before, logits)
-            self.prev = res
-            self.stats.copies.append(res.copy_stats)
-            self.stats.ubatches += 1
-            self.stats.tokens += ub.n_tokens
-            return logits
-        except BaseException:
-            if snap is not None:
-                self.memory.restore(snap)
+                raise
+
+    def _compute_ubatch(self, ub, journal) -> np.ndarray:
+        if not self.memory.find_slot(ub):
+            raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences: {self.memory.last_refusal}")
+        if journal is not None:
+            journal.before_ubatch(ub)        # the rows this graph may write, before it writes them
+        params = GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens)
+        t0 = time.perf_counter()
+        reused = self.reuse and self.prev is not None and self.prev.can_reuse(params)
+        if reused:
+            res = self.prev
+            self.stats.reuses += 1
+            self.stats.host_s_reuse += time.perf_counter() - t0
+        else:
             self.prev = None
-            raise
+            res = self._build(params)
+            self.stats.builds += 1
+            self.stats.host_s_build += time.perf_counter() - t0
+        before = self.memory.snapshot() if (reused and self.validate) else None
+        res.set_inputs(ub)
+        res.sched.graph_compute(res.gf)
+        logits = res.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
+        if before is not None:
+            self._validate(params, ub, before, logits)
+        self.prev = res
+        self.stats.copies.append(res.copy_stats)
+        self.stats.ubatches += 1
+        self.stats.tokens += ub.n_tokens
+        return logits
 
     def _validate(self, params, ub, before, logits):
         """Recompute the step from a fresh build on the same starting memory; compare bytes."""
@@ -186,12 +233,13 @@ class Runner:
             raise DecodeError("the batch does not fit in the recurrent memory")
         where = {(s[0], p): i for i, (s, p) in enumerate(zip(batch.seq_ids, batch.pos))}
         out = None
-        for ub in ubatches:
-            logits = self.process_ubatch(ub)
-            if out is None:
-                out = np.zeros((len(batch.tokens), logits.shape[1]), np.float32)
-            for j in range(ub.n_tokens):
-                out[where[(ub.seq_id[j][0], ub.pos[j])]] = logits[j]
+        with self.step():                # all ubatches or none: a failure in the 2nd undoes the 1st
+            for ub in ubatches:
+                logits = self.process_ubatch(ub)
+                if out is None:
+                    out = np.zeros((len(batch.tokens), logits.shape[1]), np.float32)
+                for j in range(ub.n_tokens):
+                    out[where[(ub.seq_id[j][0], ub.pos[j])]] = logits[j]
         return out
 
     def next_pos(self, seq: int) -> int:
@@ -218,9 +266,12 @@ class Runner:
 
     def speculative_step(self, seq: int, draft: list, n_accept: int) -> np.ndarray:
         """Decode a draft of d tokens for seq, keep the first n_accept, roll back the rest.
-        Returns the logits of the accepted tokens."""
-        logits = self.decode_seq_tokens({seq: list(draft)})[seq]
-        k = len(draft) - n_accept
-        if k > 0 and not self.rollback(seq, k):
-            raise DecodeError(f"rollback of {k} tokens on seq {seq} refused: {self.memory.last_refusal}")
+        Returns the logits of the accepted tokens. One step: when the decode fails or the
+        rollback is refused, the draft is undone too (the memory is as before the call)."""
+        with self.step():
+            logits = self.decode_seq_tokens({seq: list(draft)})[seq]
+            k = len(draft) - n_accept
+            if k > 0 and not self.rollback(seq, k):
+                raise DecodeError(f"speculative_step: rollback of {k} tokens on seq {seq} refused "
+                                  f"({self.memory.last_refusal}); the draft was undone")
         return logits[:n_accept]

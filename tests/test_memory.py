@@ -332,6 +332,28 @@ def test_snapshot_restore_round_trip():
         other.restore(snap)
 
 
+def test_rows_written_by_a_ubatch():
+    """The rows a ubatch's graph may write: plane 0 of the whole range [head, head+n) (zero row,
+    tail copies) and planes 0..min(n_seq_tokens, K)-1 of its own cells; adjacent spans merge."""
+    m = mem(size=4, n_rs_seq=2)
+    with pytest.raises(ValueError, match="after a successful find_slot"):
+        m.rows_written_by(ub(([0], 0, 1)))
+    u = ub(([0], 0, 3), ([1], 0, 3))
+    assert m.find_slot(u) and (m.head, m.n) == (0, 2)
+    assert m.rows_written_by(u) == [(0, 2), (4, 2), (8, 2)]        # planes 0, 1, 2 of cells 0, 1
+    u = ub(([0], 3, 1), ([1], 3, 1))
+    assert m.find_slot(u) and m.rows_written_by(u) == [(0, 2)]     # one token: plane 0 only
+    u = ub(([1], 4, 2))
+    assert m.find_slot(u) and m.head == 1 and m.rows_written_by(u) == [(1, 1), (5, 1)]
+    full = mem(size=2, n_rs_seq=2)
+    u = ub(([0], 0, 4), ([1], 0, 4))
+    assert full.find_slot(u) and full.rows_written_by(u) == [(0, 6)]    # the planes touch: one span
+    t = full.tensors()[0]
+    raw = np.arange(2 * t.nb[1], dtype=np.int64).astype(np.uint8)
+    full.write_row_bytes(t, 3, raw)
+    assert np.array_equal(full.read_row_bytes(t, 3, 2), raw)
+
+
 # -- state save / load ---------------------------------------------------------------------------------
 def two_layer(size=3, n_rs_seq=2):
     return RecurrentMemory([0, 3], lambda il: 4 + il, lambda il: 6 if il == 0 else 2, size, n_rs_seq, REF)

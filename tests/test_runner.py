@@ -150,12 +150,13 @@ class BadIndexToy(ToyConvModel):
         return out
 
 
+@pytest.mark.parametrize("atomic", [True, "full"])
 @pytest.mark.parametrize("device", ["ref", "cpu"])
-def test_failed_step_leaves_memory_as_it_was(device):
-    good = Runner(toy(mg.backend(device)), mem_size=4, n_rs_seq=2)
-    good.decode_seq_tokens({0: [1, 2, 3, 4], 1: [5, 6, 7, 8]})
+def test_failed_step_leaves_memory_as_it_was(device, atomic):
+    """Both journals (the rows the step may write; the whole cache) undo the step; more failure
+    cases in test_atomicity.py."""
     bad = Runner(BadIndexToy(n_vocab=24, n_embd=8, n_layer=2, d_conv=4, devices=mg.backend(device)),
-                 mem_size=4, n_rs_seq=2)
+                 mem_size=4, n_rs_seq=2, atomic=atomic)
     bad.model.__class__ = ToyConvModel       # same weights; prime without the bad node
     bad.decode_seq_tokens({0: [1, 2, 3, 4], 1: [5, 6, 7, 8]})
     bad.model.__class__ = BadIndexToy

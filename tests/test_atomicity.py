@@ -1,0 +1,321 @@
+"""Failure atomicity of the runner's steps (models/step_journal.py).
+
+A step that raises — a bad token id caught by get_rows, an out-of-range index at the end of the
+graph after every layer wrote its state, a compute that writes garbage into the cache and then
+raises (RuntimeError or KeyboardInterrupt) — leaves every cell's metadata and every byte of the
+whole cache as they were before the step, for single-ubatch decodes, multi-ubatch batches (a
+failure in the 2nd ubatch undoes the 1st: nothing of the step remains) and speculative steps with
+rollback planes. The journal copies only the rows the step's ubatches may write: that set covers
+every byte a real step changes, and its size does not grow with mem_size."""
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph.models.graph import GraphInput
+from minigraph.models.memory import coalesce_rows
+from minigraph.models.runner import DecodeError, Runner, atomic_mode
+from minigraph.models.zoo import make_model
+
+MODELS = ("toy", "mamba2", "delta-net", "lfm", "kda")
+DEVICES = ("ref", "cpu")
+
+
+class Injected(RuntimeError):
+    """The failure the tests inject."""
+
+
+def make_runner(name, device, model=None, **kw):
+    model = model or make_model(name, [mg.backend(device)])
+    kw.setdefault("mem_size", 4)
+    kw.setdefault("n_rs_seq", 2)
+    kw.setdefault("n_ubatch", 8)
+    return Runner(model, **kw)
+
+
+def whole_memory(r):
+    """Every observable of the memory: metadata (cells, head, n, used, rs_z, rs_idx, n_last)
+    and the raw bytes of every r/s tensor, plus the printed cell table."""
+    m = r.memory
+    return m.meta_copy(), {t.name: t.numpy().tobytes() for t in m.tensors()}, str(m)
+
+
+def assert_same_memory(got, want):
+    assert got[2] == want[2]
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert got[1][name] == want[1][name], f"{name} differs after the failed step"
+
+
+def prime(r):
+    """Two sequences with history and a pending rollback on seq 0 (the failed step would consume
+    it through s_copy: the undo must bring it back)."""
+    r.decode_seq_tokens({0: [1, 2, 3, 4, 5], 1: [7, 8, 9, 10, 11]})
+    r.decode_seq_tokens({0: [6, 7, 8], 1: [12, 13, 14]})
+    assert r.rollback(0, 1)
+
+
+class ComputeFails:
+    """Scheduler.graph_compute patched: the `fail_at`-th compute (0-based) of the runner runs the
+    real graph, then writes garbage into every row its ubatch may write, then raises."""
+
+    def __init__(self, monkeypatch, runner, fail_at=0, exc=Injected):
+        self.calls, self.fail_at, self.exc, self.runner = 0, fail_at, exc, runner
+        self.last_rows = None
+        real_rows = runner.memory.rows_written_by
+
+        def spy_rows(ub):
+            self.last_rows = real_rows(ub)
+            return self.last_rows
+        monkeypatch.setattr(runner.memory, "rows_written_by", spy_rows)
+        real = mg.Scheduler.graph_compute
+        hook = self
+
+        def graph_compute(sched, gf):
+            out = real(sched, gf)
+            i, hook.calls = hook.calls, hook.calls + 1
+            if i == hook.fail_at:
+                hook.scribble()
+                raise hook.exc(f"injected failure in compute {i}")
+            return out
+        monkeypatch.setattr(mg.Scheduler, "graph_compute", graph_compute)
+
+    def scribble(self):
+        mem = self.runner.memory
+        rng = np.random.default_rng(self.calls)
+        for t in mem.tensors():
+            for row0, count in self.last_rows:
+                junk = rng.integers(0, 256, count * t.nb[1], dtype=np.uint8)
+                mem.write_row_bytes(t, row0, junk)
+
+
+def fail_at_graph_end(model, fail):
+    """model.build plus a get_rows of the logits after everything else: index 10_000 (out of
+    range, caught by the kernel's index check) when fail() says so, else 0."""
+    build = model.build
+
+    def build_with_bad_index(g):
+        out = build(g)
+        ids = g.ctx0.new_tensor_1d(mg.i32, 1).set_name("maybe_bad_ids").set_input()
+
+        class MaybeBad(GraphInput):
+            def set_input(self, ubatch):
+                ids.set(np.array([10_000 if fail() else 0], np.int32))
+
+            def can_reuse(self, params):
+                return True
+        g.res.inputs.append(MaybeBad())
+        g.gf.build_forward_expand(mg.get_rows(out["logits"], ids).set_output())
+        return out
+    model.build = build_with_bad_index
+    return model
+
+
+def continue_like_a_twin(r, twin, steps=({0: [3], 1: [4]}, {0: [5, 6], 1: [7, 8]})):
+    """After the failed step, r decodes exactly as a runner that never saw it."""
+    for step in steps:
+        a, b = r.decode_seq_tokens(step), twin.decode_seq_tokens(step)
+        for s in step:
+            assert np.array_equal(a[s], b[s])
+    assert_same_memory(whole_memory(r), whole_memory(twin))
+
+
+# -- the failures ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_compute_that_writes_garbage_then_raises_is_undone(monkeypatch, name, device):
+    r = make_runner(name, device)
+    twin = make_runner(name, device, model=r.model)
+    prime(r), prime(twin)
+    before = whole_memory(r)
+    hook = ComputeFails(monkeypatch, r)
+    with pytest.raises(Injected):
+        r.decode_seq_tokens({0: [9], 1: [10]})
+    assert hook.calls == 1
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    continue_like_a_twin(r, twin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_failure_in_the_second_ubatch_undoes_the_whole_step(monkeypatch, name, device):
+    """n_ubatch 4 splits 2 x 6 tokens into several ubatches; the 2nd fails after the 1st wrote
+    its states and moved its cells: nothing of the step remains."""
+    r = make_runner(name, device, n_ubatch=4)
+    twin = make_runner(name, device, model=r.model, n_ubatch=4)
+    prime(r), prime(twin)
+    before = whole_memory(r)
+    hook = ComputeFails(monkeypatch, r, fail_at=1, exc=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        r.decode_seq_tokens({0: [1, 2, 3, 4, 5, 6], 1: [7, 8, 9, 10, 11, 12]})
+    assert hook.calls == 2                       # the 1st ubatch did compute and write
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    continue_like_a_twin(r, twin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_bad_token_id_changes_nothing(name, device):
+    r = make_runner(name, device)
+    twin = make_runner(name, device, model=r.model)
+    prime(r), prime(twin)
+    before = whole_memory(r)
+    with pytest.raises(mg.OpError, match="out of range"):
+        r.decode_seq_tokens({0: [r.model.n_vocab + 5], 1: [3]})
+    assert_same_memory(whole_memory(r), before)
+    continue_like_a_twin(r, twin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["toy", "mamba2", "kda"])
+def test_index_error_after_the_state_writes_is_undone(name, device):
+    """The bad index sits after every layer's state store: without atomicity the failed step
+    leaves written states behind (so the check below is not vacuous); with it, nothing."""
+    armed = [False]
+    for atomic in (False, True):
+        model = fail_at_graph_end(make_model(name, [mg.backend(device)]), lambda: armed[0])
+        r = make_runner(name, device, model=model, atomic=atomic)
+        armed[0] = False
+        prime(r)
+        before = whole_memory(r)
+        armed[0] = True
+        with pytest.raises(mg.OpError, match="out of range"):
+            r.decode_seq_tokens({0: [9], 1: [10]})
+        after = whole_memory(r)
+        if atomic:
+            assert_same_memory(after, before)
+        else:
+            assert after[1] != before[1] and after[0] != before[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["toy", "delta-net", "lfm"])
+def test_failed_speculative_step_keeps_rollback_planes(monkeypatch, name, device):
+    """n_rs_seq 3: a draft of 3 tokens writes three rollback planes per cell; the failure leaves
+    the planes, the pending rollback (rs_idx) and n_last as they were, and the next speculative
+    step rolls back exactly as a runner that never saw the failure."""
+    r = make_runner(name, device, n_rs_seq=3)
+    twin = make_runner(name, device, model=r.model, n_rs_seq=3)
+    for x in (r, twin):
+        x.decode_seq_tokens({0: [1, 2, 3, 4], 1: [5, 6, 7, 8]})
+        x.speculative_step(0, [9, 10, 11], 1)                 # pending rollback of 2 on seq 0
+    before = whole_memory(r)
+    assert r.memory.pending_rollback(0) == 2
+    ComputeFails(monkeypatch, r, exc=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        r.speculative_step(0, [12, 13, 14], 2)
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    for x in (r, twin):
+        x.speculative_step(0, [12, 13, 14], 2)
+    got, want = r.speculative_step(0, [15, 16], 1), twin.speculative_step(0, [15, 16], 1)
+    assert np.array_equal(got, want)
+    assert_same_memory(whole_memory(r), whole_memory(twin))
+
+
+def test_refused_rollback_undoes_the_draft():
+    r = make_runner("toy", "ref", n_rs_seq=2)
+    r.decode_seq_tokens({0: [1, 2, 3, 4]})
+    before = whole_memory(r)
+    with pytest.raises(DecodeError, match="rollback of 3 tokens on seq 0 refused.*k <= n_rs_seq"):
+        r.speculative_step(0, [5, 6, 7, 8], 1)               # k = 3 > n_rs_seq
+    assert_same_memory(whole_memory(r), before)
+
+
+def test_meta_device_failure_is_undone(monkeypatch):
+    """The cache split over two CPUs (meta device): get_bytes/set_bytes of row spans see the
+    logical bytes, so the undo restores both slices."""
+    from minigraph.models.toy_tp import ToyConvTPModel
+    meta = mg.backend("meta(cpu:0,cpu:1)")
+
+    def model():
+        return ToyConvTPModel(n_vocab=24, n_embd=8, n_layer=2, d_conv=4, devices=meta, seed=0)
+    r = make_runner("toy-tp", "cpu", model=model(), n_ubatch=4)
+    twin = make_runner("toy-tp", "cpu", model=model(), n_ubatch=4)
+    prime(r), prime(twin)
+    before = whole_memory(r)
+    ComputeFails(monkeypatch, r, fail_at=1)
+    with pytest.raises(Injected):
+        r.decode_seq_tokens({0: [1, 2, 3, 4, 5, 6], 1: [7, 8, 9, 10, 11, 12]})
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    continue_like_a_twin(r, twin)
+
+
+# -- what the journal copies -------------------------------------------------------------------
+SCRIPT = [{0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10], 2: [11, 12]},    # prefill: cells 0, 1, 2
+          {0: [1], 1: [2], 2: [3]},
+          {0: [4, 5, 6], 1: [7, 8, 9]},
+          ("rollback", 0, 2),
+          {0: [1]},                                                   # reads plane 2
+          ("rm", 0), ("rm", 1),
+          {1: [3, 4]},                                                # seq 1 anew in cell 0
+          {1: [5], 2: [6]},                                           # cells 0, 2: a range of 3
+          {0: [1, 2, 3, 4]},                                          # seq 0 anew
+          {0: [9], 1: [9], 2: [9]}]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_rows_written_by_cover_every_byte_a_step_changes(monkeypatch, name, device):
+    """The journal's row set is not a guess: across prefills, decodes, a pending rollback, cells
+    spread over the range (tail copies) and a new sequence, every byte a real step changes lies
+    in a row rows_written_by named for that step's ubatches."""
+    r = make_runner(name, device, n_rs_seq=2, n_ubatch=64)
+    named = []
+    real_rows = r.memory.rows_written_by
+    monkeypatch.setattr(r.memory, "rows_written_by", lambda ub: named.extend(real_rows(ub)) or real_rows(ub))
+    n_range_wider_than_ubatch = 0
+    for step in SCRIPT:
+        if isinstance(step, tuple):
+            op, seq, *k = step
+            assert r.rollback(seq, *k) if op == "rollback" else r.memory.seq_rm(seq, -1, -1)
+            continue
+        before = {t.name: t.numpy().copy() for t in r.memory.tensors()}
+        named.clear()
+        r.decode_seq_tokens(step)
+        n_range_wider_than_ubatch += r.memory.n > len(step)
+        allowed = np.zeros(r.memory.size * r.memory.K, bool)
+        for row0, count in named:
+            allowed[row0:row0 + count] = True
+        for t in r.memory.tensors():
+            changed = np.any(before[t.name] != t.numpy(), axis=1)
+            outside = np.flatnonzero(changed & ~allowed)
+            assert not outside.size, f"{t.name}: step {step} changed rows {outside} outside {named}"
+    assert n_range_wider_than_ubatch                     # the tail-copy case was exercised
+
+
+@pytest.mark.parametrize("name", ["toy", "mamba2"])
+def test_snapshot_bytes_follow_the_ubatch_not_mem_size(name):
+    """Per decode step the journal copies the ubatch's rows: the same bytes at mem_size 4 and 64
+    (and exactly n_seqs rows of every r/s tensor for a 1-token decode), while the whole-cache copy
+    grows with mem_size."""
+    per_step = {}
+    for mode in ("rows", "full"):
+        for size in (4, 64):
+            r = make_runner(name, "ref", mem_size=size, n_rs_seq=3, atomic=mode)
+            r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+            b0, s0 = r.stats.snapshot_bytes, r.stats.steps
+            for tok in range(3):
+                r.decode_seq_tokens({0: [tok], 1: [tok + 1]})
+            per_step[mode, size] = (r.stats.snapshot_bytes - b0) / (r.stats.steps - s0)
+            row_bytes = sum(t.nb[1] for t in r.memory.tensors())
+            cache_bytes = sum(t.nbytes() for t in r.memory.tensors())
+    assert per_step["rows", 4] == per_step["rows", 64] == 2 * row_bytes
+    assert per_step["full", 64] == cache_bytes == 16 * per_step["full", 4]
+
+
+def test_atomic_off_copies_nothing_and_bad_modes_are_named():
+    r = make_runner("toy", "ref", atomic=False)
+    r.decode_seq_tokens({0: [1, 2]})
+    assert r.stats.snapshot_bytes == 0
+    assert atomic_mode(True) == "rows" and atomic_mode("full") == "full" and atomic_mode(False) is None
+    with pytest.raises(ValueError, match="atomic='yes' is not one of"):
+        make_runner("toy", "ref", atomic="yes")
+
+
+def test_coalesce_rows():
+    assert coalesce_rows([(8, 2), (0, 4), (4, 2), (12, 0), (9, 3)]) == [(0, 6), (8, 4)]
+    assert coalesce_rows([]) == []
