@@ -23,11 +23,14 @@ static double sum(const float *x, int64_t n) {  /* x: [n] */
     return (s0 + s1) + (s2 + s3);
 }
 
-void mg_k_reduce(const mg_node *n, int ith, int nth) {
+/* RMS_NORM, L2_NORM, SUM_ROWS share the row walk; KIND picks the formula (constant-folded) */
+enum { RED_SUM, RED_RMS, RED_L2 };
+
+static inline void reduce_rows(const mg_node *n, int ith, int nth, int kind) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *d = &n->dst;
     const int64_t ne0 = a->ne[0];
-    const float eps = n->fp[0];
+    const float eps = n->fp[0];   /* RMS_NORM, L2_NORM: fp = {eps} */
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
@@ -35,13 +38,13 @@ void mg_k_reduce(const mg_node *n, int ith, int nth) {
         mg_row_coords(a, r, &i1, &i2, &i3);
         const float *x = (const float *)mg_ptr(a, 0, i1, i2, i3);  /* [ne0] */
         float *y = (float *)mg_ptr(d, 0, i1, i2, i3);              /* [ne0] or [1] for SUM_ROWS */
-        if (n->op == MG_OP_SUM_ROWS) {
+        if (kind == RED_SUM) {
             y[0] = (float)sum(x, ne0);
-        } else if (n->op == MG_OP_RMS_NORM) {
+        } else if (kind == RED_RMS) {
             const float mean = (float)(sum_sq(x, ne0) / (double)ne0);
             const float scale = 1.0f / sqrtf(mean + eps);
             for (int64_t i = 0; i < ne0; i++) y[i] = x[i] * scale;
-        } else {  /* L2_NORM */
+        } else {
             const float ss = (float)sum_sq(x, ne0);
             const float nrm = sqrtf(ss);
             const float scale = 1.0f / (nrm < eps ? eps : nrm);   /* NaN propagates like np.maximum */
@@ -49,3 +52,11 @@ void mg_k_reduce(const mg_node *n, int ith, int nth) {
         }
     }
 }
+
+static void mg_k_sum_rows(const mg_node *n, int ith, int nth) { reduce_rows(n, ith, nth, RED_SUM); }
+static void mg_k_rms_norm(const mg_node *n, int ith, int nth) { reduce_rows(n, ith, nth, RED_RMS); }
+static void mg_k_l2_norm(const mg_node *n, int ith, int nth)  { reduce_rows(n, ith, nth, RED_L2); }
+
+MG_KERNEL(SUM_ROWS, mg_k_sum_rows, NULL)
+MG_KERNEL(RMS_NORM, mg_k_rms_norm, NULL)
+MG_KERNEL(L2_NORM, mg_k_l2_norm, NULL)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, build, cases, op, reference, require
 from ..types import f32
 
 
@@ -12,7 +12,8 @@ def _f32_rows(name, a):
     require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
 
 
-@op("RMS_NORM", srcs=("a",), params={"eps": float})
+@op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",
+    ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
 def _rms_norm_rule(a, eps):
     _f32_rows("RMS_NORM", a)
     require(eps >= 0, "RMS_NORM", f"eps must be >= 0, got {eps}")
@@ -31,7 +32,8 @@ def rms_norm(a, eps):
     return build("RMS_NORM", a=a, eps=eps)
 
 
-@op("L2_NORM", srcs=("a",), params={"eps": float})
+@op("L2_NORM", srcs=("a",), params={"eps": float}, split="per_row",
+    ggml=GgmlCall("l2_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
 def _l2_norm_rule(a, eps):
     _f32_rows("L2_NORM", a)
     return Out(f32, a.ne)
@@ -48,7 +50,7 @@ def l2_norm(a, eps):
     return build("L2_NORM", a=a, eps=eps)
 
 
-@op("SUM_ROWS", srcs=("a",))
+@op("SUM_ROWS", srcs=("a",), split="per_row", ggml=GgmlCall("sum_rows", ("a",)), cases=cases("rows"))
 def _sum_rows_rule(a):
     _f32_rows("SUM_ROWS", a)
     return Out(f32, (1, a.ne[1], a.ne[2], a.ne[3]))

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 import minigraph.ops as _ops  # noqa: F401
-from minigraph.registry import OPS
+from minigraph.registry import OPS, build
 from minigraph.tensor import Context, Tensor
 from minigraph.types import DType, f16, f32, i32, i64
 
@@ -292,42 +292,61 @@ def _(rng):
 # ---------------------------------------------------------------------------------------------
 # elementwise and reductions
 
-_UNARY = {"SILU": mg.silu, "SIGMOID": mg.sigmoid, "SOFTPLUS": mg.softplus, "EXP": mg.exp, "NEG": mg.neg, "SQRT": mg.sqrt}
-for _op, _fn in _UNARY.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, _layout, exact=_op == "NEG", nmse=1e-12)
-        def _(rng, _fn=_fn, _op=_op, _layout=_layout):
+# generic builders: an op declares which one makes its cases (registry.CaseGen, e.g.
+# `cases("unary", data=np.abs)` on SQRT); each builder registers that op's cases here.
+
+def _unary_cases(d, exact=False, data=None):
+    """contig and strided inputs, and the in-place form on an intermediate."""
+    for layout in ("contig", "strided"):
+        @case(d.name, layout, exact=exact, nmse=1e-12)
+        def _(rng, layout=layout):
             b = Built(Context())
-            x = b.input(rng, f32, rshape(rng, 1, 6), _layout)
-            if _op == "SQRT":
-                b.data[x.root()] = np.abs(b.data[x.root()])
-            if _op == "SOFTPLUS":
-                b.data[x.root()] = b.data[x.root()] * np.float32(30)   # cross the x > 20 branch
-            b.out(_fn(x))
+            x = b.input(rng, f32, rshape(rng, 1, 6), layout)
+            if data is not None:
+                b.data[x.root()] = data(b.data[x.root()])
+            b.out(build(d.name, a=x, inplace=False))
             return b
 
-    @case(_op, "inplace", exact=_op == "NEG", nmse=1e-12)
-    def _(rng, _fn=_fn, _op=_op):
+    @case(d.name, "inplace", exact=exact, nmse=1e-12)
+    def _(rng):
         b = Built(Context())
         x = b.leaf(f32, rshape(rng, 1, 6), rng=rng)
-        if _op == "SQRT":
-            b.data[x] = np.abs(b.data[x])
+        if data is not None:
+            b.data[x] = data(b.data[x])
         y = mg.add(x, x)   # an intermediate to work in place on
-        b.out(_fn(y, inplace=True))
+        b.out(build(d.name, a=y, inplace=True))
         return b
 
-_BINARY = {"ADD": mg.add, "SUB": mg.sub, "MUL": mg.mul, "DIV": mg.div}
-for _op, _fn in _BINARY.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, f"broadcast_{_layout}", exact=_op != "DIV", nmse=1e-12)
-        def _(rng, _fn=_fn, _layout=_layout):
+
+def _binary_cases(d, exact=False):
+    """b broadcast over a (each extent of a a multiple of b's), contig and strided."""
+    for layout in ("contig", "strided"):
+        @case(d.name, f"broadcast_{layout}", exact=exact, nmse=1e-12)
+        def _(rng, layout=layout):
             b = Built(Context())
             ne_b = rshape(rng, 1, 3)
             reps = rshape(rng, 1, 3)
-            a = b.input(rng, f32, [n * r for n, r in zip(ne_b, reps)], _layout)
-            bb = b.input(rng, f32, ne_b, _layout)
-            b.out(_fn(a, bb))
+            a = b.input(rng, f32, [n * r for n, r in zip(ne_b, reps)], layout)
+            bb = b.input(rng, f32, ne_b, layout)
+            b.out(build(d.name, a=a, b=bb, inplace=False))
             return b
+
+
+def _row_cases(d, **params):
+    """Row ops over dim 0: rows up to 40 wide, contig and strided."""
+    for layout in ("contig", "strided"):
+        @case(d.name, layout, nmse=1e-12)
+        def _(rng, layout=layout):
+            b = Built(Context())
+            b.out(build(d.name, a=b.input(rng, f32, rshape(rng, 1, 40, 1) + rshape(rng, 1, 4, 3), layout), **params))
+            return b
+
+
+BUILDERS = {"unary": _unary_cases, "binary": _binary_cases, "rows": _row_cases}
+
+for _d in list(OPS.values()):
+    for _gen in _d.case_gens:
+        BUILDERS[_gen.builder](_d, **_gen.options)
 
 
 @case("SCALE", "scale_and_bias", nmse=1e-12)
@@ -360,16 +379,6 @@ def _(rng):
     b.out(mg.scale_inplace(mg.view_1d(s, 5, z * s.nb[1]), 0.0))
     b.out(s)
     return b
-
-
-for _op, _fn in {"RMS_NORM": lambda x: mg.rms_norm(x, 1e-6), "L2_NORM": lambda x: mg.l2_norm(x, 1e-6),
-                 "SUM_ROWS": mg.sum_rows}.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, _layout, nmse=1e-12)
-        def _(rng, _fn=_fn, _layout=_layout):
-            b = Built(Context())
-            b.out(_fn(b.input(rng, f32, rshape(rng, 1, 40, 1) + rshape(rng, 1, 4, 3), _layout)))
-            return b
 
 
 for _layout in ("contig", "strided"):
