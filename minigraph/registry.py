@@ -17,6 +17,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from .errors import OpError
 from .tensor import Tensor
 from .types import DType
@@ -174,7 +176,7 @@ def require(cond, opname: str, msg: str):
 
 
 def _is_bool(v) -> bool:
-    return isinstance(v, bool) or type(v).__name__ == "bool_"   # NumPy's bool without importing it
+    return isinstance(v, (bool, np.bool_))
 
 
 def check_param(opname: str, name: str, ptype: type, v):
