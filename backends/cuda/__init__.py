@@ -476,6 +476,19 @@ def _reduce(kernel):
     return run
 
 
+@runs("SOFT_MAX")
+def _op_soft_max(be, node, ops):
+    a, d, m = ops["a"], ops["dst"], ops.get("mask")
+    nrows = a.ne[1] * a.ne[2] * a.ne[3]
+    if m is None:   # the kernel reads no mask: any valid pointer, unit broadcast extents
+        mask = [np.int64(0), np.int64(1), np.int64(1), a.p()] + [np.int64(0)] * 4
+    else:
+        mask = [np.int64(1), np.int64(m.ne[2]), np.int64(m.ne[3]), m.p()] + m.strides()
+    be._launch("soft_max_f32", (nrows, 1, 1), (256, 1, 1),
+               [np.int64(nrows), np.int64(a.ne[0]), np.int64(a.ne[1]), np.int64(a.ne[2]), a.p()] + a.strides()
+               + mask + [d.p()] + d.strides() + [np.float32(node.params["scale"])])
+
+
 @runs("MUL_MAT")
 def _op_mul_mat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]

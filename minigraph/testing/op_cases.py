@@ -11,7 +11,7 @@ import numpy as np
 
 import minigraph.ops as _ops  # noqa: F401
 from minigraph.registry import OPS, build
-from minigraph.tensor import Context, Tensor
+from minigraph.tensor import Context, Tensor, contiguous_strides
 from minigraph.types import DType, f16, f32, i32, i64
 
 import minigraph as mg
@@ -379,6 +379,48 @@ def _(rng):
     b.out(mg.scale_inplace(mg.view_1d(s, 5, z * s.nb[1]), 0.0))
     b.out(s)
     return b
+
+
+def _soft_max_input(b, rng, ne, layout):
+    """An input ggml calls contiguous (soft_max requires it) in three layouts: contig; window (a
+    dense view at an offset inside a larger buffer, data on both sides); permuted (a permute view
+    that moves only a unit dim, so it stays dense)."""
+    if layout == "contig":
+        return b.leaf(f32, ne, rng=rng)
+    if layout == "window":
+        n = int(np.prod(ne))
+        base = b.leaf(f32, (n + 7,), rng=rng)
+        nb = contiguous_strides(f32, ne)
+        return mg.view_4d(base, *ne, *nb[1:], 3 * 4)
+    base = b.leaf(f32, (ne[0], 1, ne[1], ne[3]), rng=rng)   # layout == "permuted" (needs ne[2] == 1)
+    return mg.permute(base, 0, 2, 1, 3)
+
+
+def _causal_mask(rng, ne):
+    """Random f32 mask rows with -inf past the diagonal (column 0 always finite)."""
+    m = rng.uniform(-1.0, 1.0, tuple(reversed(ne)))
+    m = np.where(np.abs(m) < 1e-3, 0.5, m)
+    i1, i0 = np.arange(ne[1])[:, None], np.arange(ne[0])[None, :]
+    return np.where(i0 > i1 + ne[0] // 2, -np.inf, m).astype(np.float32)
+
+
+for _layout, _with_mask in (("contig", False), ("contig", True), ("window", True), ("permuted", True)):
+    @case("SOFT_MAX", f"{_layout}{'_mask_broadcast' if _with_mask else ''}", nmse=1e-12)
+    def _(rng, _layout=_layout, _with_mask=_with_mask):
+        b = Built(Context())
+        ne0, ne1 = int(rng.integers(1, 41)), int(rng.integers(1, 6))
+        m2, m3 = (int(v) for v in rshape(rng, 1, 2, 2))
+        r2, r3 = (int(v) for v in rshape(rng, 1, 3, 2))
+        ne = (ne0, ne1, 1 if _layout == "permuted" else m2 * r2, m3 * r3)
+        a = _soft_max_input(b, rng, ne, _layout)
+        mask = None
+        if _with_mask:
+            m_ne = (ne0, ne1 + int(rng.integers(0, 3)), 1 if _layout == "permuted" else m2, m3)
+            mask = _soft_max_input(b, rng, m_ne, "window" if _layout == "window" else "contig")
+            if _layout != "window":   # a window's rows are cut from a 1-D buffer: finite values
+                b.data[mask.root()] = _causal_mask(rng, mask.root().ne)
+        b.out(mg.soft_max_ext(a, mask, float(rng.uniform(0.1, 2.0)), 0.0))
+        return b
 
 
 for _layout in ("contig", "strided"):
