@@ -8,9 +8,8 @@ from .ops.views import (view_1d, view_2d, view_3d, view_4d, view_tensor, reshape
                         reshape_2d, reshape_3d, reshape_4d, permute, transpose)
 from .ops.copy import cpy, cast, cont, cont_2d, cont_3d, cont_4d, concat, repeat, repeat_4d
 from .ops.index import get_rows, set_rows, arange
-from .ops.elementwise import (silu, sigmoid, softplus, exp, neg, sqrt, add, sub, mul, div, scale,
-                              scale_inplace, scale_bias)
-from .ops.reduce import rms_norm, l2_norm, sum_rows
+from .ops.elementwise import *  # noqa: F401,F403  (every unary op's function, add .. scale_bias)
+from .ops.reduce import rms_norm, l2_norm, sum_rows, soft_max, soft_max_ext
 from .ops.matmul import mul_mat
 from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
 from .graph import Graph

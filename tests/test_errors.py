@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
+from minigraph.registry import build
 
 
 def names(*parts):
@@ -500,3 +501,51 @@ def test_ssm_scan_ids_out_of_range_at_compute(bad):
         be.graph_compute(gf)
     for k, m in snap.items():
         assert np.array_equal(bufs[k].mem, m)
+
+
+# ----------------------------------------------------------------------------------------------
+# params and sources: the registry's schema is strict, every refusal an OpError naming op and name
+# ----------------------------------------------------------------------------------------------
+def test_bool_param_takes_only_a_real_bool(ctx):
+    a = T(ctx, mg.f32, 4, name="a")
+    for bad in ("no", 1, 0, None, 1.0):
+        with raises("SILU", "'inplace'", "bool"):
+            mg.silu(a, inplace=bad)
+    assert mg.silu(a, inplace=np.bool_(True)).view_src is a
+
+
+def test_int_param_refuses_bools_and_fractions(ctx):
+    a, b = T(ctx, mg.f32, 4, 2, name="a"), T(ctx, mg.f32, 4, 3, name="b")
+    for bad in (True, 1.5, "1", None):
+        with raises("CONCAT", "'dim'", "int"):
+            mg.concat(a, b, dim=bad)
+    assert mg.concat(a, b, dim=1.0).params["dim"] == 1            # a whole float is that int
+    assert mg.concat(a, b, dim=np.int64(1)).ne == (4, 5, 1, 1)
+
+
+def test_float_param_takes_ints_but_not_bools(ctx):
+    a = T(ctx, mg.f32, 4, name="a")
+    assert mg.scale(a, 2).params["s"] == 2.0 and isinstance(mg.scale(a, 2).params["s"], float)
+    assert mg.rms_norm(a, np.float32(1e-6)).params["eps"] == pytest.approx(1e-6)
+    with raises("SCALE", "'s'", "float"):
+        mg.scale(a, True)
+    with raises("RMS_NORM", "'eps'", "float"):
+        mg.rms_norm(a, "1e-6")
+
+
+def test_tuple_param_elements_are_ints(ctx):
+    a = T(ctx, mg.f32, 4, 3, name="a")
+    with raises("PERMUTE", "'axes[1]'", "int"):
+        mg.permute(a, 0, 1.5, 2, 3)
+    with raises("RESHAPE", "'ne'", "tuple"):
+        build("RESHAPE", a=a, ne=12)
+
+
+def test_missing_required_source_is_an_op_error(ctx):
+    a = T(ctx, mg.f32, 4, name="a")
+    with raises("ADD", "'b'", "required"):
+        mg.add(a, None)
+    with raises("SILU", "'a'", "required"):
+        mg.silu(None)
+    with raises("ADD", "'b'", "Tensor"):
+        mg.add(a, 3.0)

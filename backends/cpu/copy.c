@@ -210,3 +210,8 @@ void mg_k_repeat(const mg_node *n, int ith, int nth) {
             mg_convert_row(drow + k * d->nb[0], d->nb[0], t, srow, a->nb[0], t, mg_min64(a->ne[0], d->ne[0] - k));
     }
 }
+
+MG_KERNEL(CPY, mg_k_cpy, NULL)
+MG_KERNEL(CONT, mg_k_cpy, NULL)
+MG_KERNEL(CONCAT, mg_k_concat, NULL)
+MG_KERNEL(REPEAT, mg_k_repeat, NULL)

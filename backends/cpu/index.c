@@ -92,7 +92,7 @@ void mg_k_set_rows(const mg_node *n, int ith, int nth) {
 /* ARANGE: dst f32 [n]: start + step * i, rounded after the product and after the sum */
 void mg_k_arange(const mg_node *n, int ith, int nth) {
     const mg_tensor *d = &n->dst;
-    const float start = n->fp[0], step = n->fp[1];
+    const float start = n->fp[0], step = n->fp[2];   /* params start, stop, step */
     int64_t r0, r1;
     mg_split(d->ne[0], ith, nth, &r0, &r1);
     for (int64_t i = r0; i < r1; i++) {
@@ -100,3 +100,7 @@ void mg_k_arange(const mg_node *n, int ith, int nth) {
         mg_store_f32(d->data + i * d->nb[0], start + p);
     }
 }
+
+MG_KERNEL(GET_ROWS, mg_k_get_rows, mg_check_get_rows)
+MG_KERNEL(SET_ROWS, mg_k_set_rows, mg_check_set_rows)
+MG_KERNEL(ARANGE, mg_k_arange, NULL)

@@ -170,3 +170,5 @@ void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
         (void)ldo;
     }
 }
+
+MG_KERNEL(MUL_MAT, mg_k_mul_mat, NULL)

@@ -12,25 +12,18 @@
 #include "mg_api.h"
 
 /* ---- kernels: each thread ith of nth does its share of one node ---- */
-void mg_k_cpy(const mg_node *n, int ith, int nth);          /* CPY and CONT */
-void mg_k_concat(const mg_node *n, int ith, int nth);
-void mg_k_repeat(const mg_node *n, int ith, int nth);
-void mg_k_get_rows(const mg_node *n, int ith, int nth);
-void mg_k_set_rows(const mg_node *n, int ith, int nth);
-void mg_k_arange(const mg_node *n, int ith, int nth);
-void mg_k_unary(const mg_node *n, int ith, int nth);
-void mg_k_binary(const mg_node *n, int ith, int nth);
-void mg_k_scale(const mg_node *n, int ith, int nth);
-void mg_k_reduce(const mg_node *n, int ith, int nth);       /* RMS_NORM, L2_NORM, SUM_ROWS */
-void mg_k_mul_mat(const mg_node *n, int ith, int nth);
-void mg_k_ssm_conv(const mg_node *n, int ith, int nth);
-void mg_k_ssm_scan(const mg_node *n, int ith, int nth);
-void mg_k_gated_delta_net(const mg_node *n, int ith, int nth);
+typedef void (*mg_kernel)(const mg_node *n, int ith, int nth);
+/* an index check: pure, run before any write of the node; returns nonzero and fills err */
+typedef int (*mg_check)(const mg_node *n, mg_error *err);
 
-/* index checks: pure, run before any write of the node; return nonzero and fill err */
-int mg_check_get_rows(const mg_node *n, mg_error *err);
-int mg_check_set_rows(const mg_node *n, mg_error *err);
-int mg_check_ssm_scan(const mg_node *n, mg_error *err);
+/* Registration: each kernel file says which registry ops its kernels run, next to the kernel,
+ *     MG_KERNEL(SET_ROWS, mg_k_set_rows, mg_check_set_rows)
+ * (OP is the registry's op name). The registration runs when the extension loads; the plan
+ * executor dispatches through the resulting table and Python reads the op names back from it,
+ * so there is no op list to keep in step by hand. */
+void mg_register_kernel(const char *op, mg_kernel kernel, mg_check check);
+#define MG_KERNEL(OP, KERNEL, CHECK) \
+    __attribute__((constructor)) static void mg_register_##OP(void) { mg_register_kernel(#OP, KERNEL, CHECK); }
 
 /* ---- helpers ---- */
 static inline int64_t mg_min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -8,37 +8,36 @@
 #endif
 #include "mg.h"
 
-typedef void (*mg_kernel)(const mg_node *, int, int);
-typedef int (*mg_check)(const mg_node *, mg_error *);
+/* the kernel table, filled by the MG_KERNEL registrations as the extension loads (before any
+ * call into it, so no locking); a record's op is an index into it */
+#define MG_MAX_KERNELS 256
+
+static struct {
+    const char *op;      /* the registry's op name */
+    mg_kernel kernel;
+    mg_check check;      /* NULL when the op has no indices to check */
+} kernels[MG_MAX_KERNELS];
+static int n_kernels = 0;
+static int n_dropped = 0;   /* registrations past MG_MAX_KERNELS: mg_op_count reports -1 */
+
+void mg_register_kernel(const char *op, mg_kernel kernel, mg_check check) {
+    if (n_kernels == MG_MAX_KERNELS) { n_dropped++; return; }
+    kernels[n_kernels].op = op;
+    kernels[n_kernels].kernel = kernel;
+    kernels[n_kernels].check = check;
+    n_kernels++;
+}
+
+int mg_op_count(void) { return n_dropped ? -1 : n_kernels; }
+
+const char *mg_op_name(int code) { return code >= 0 && code < n_kernels ? kernels[code].op : NULL; }
 
 static mg_kernel kernel_for(int op) {
-    switch (op) {
-        case MG_OP_CPY: case MG_OP_CONT: return mg_k_cpy;
-        case MG_OP_CONCAT:   return mg_k_concat;
-        case MG_OP_REPEAT:   return mg_k_repeat;
-        case MG_OP_GET_ROWS: return mg_k_get_rows;
-        case MG_OP_SET_ROWS: return mg_k_set_rows;
-        case MG_OP_ARANGE:   return mg_k_arange;
-        case MG_OP_SILU: case MG_OP_SIGMOID: case MG_OP_SOFTPLUS:
-        case MG_OP_EXP: case MG_OP_NEG: case MG_OP_SQRT: return mg_k_unary;
-        case MG_OP_ADD: case MG_OP_SUB: case MG_OP_MUL: case MG_OP_DIV: return mg_k_binary;
-        case MG_OP_SCALE:    return mg_k_scale;
-        case MG_OP_RMS_NORM: case MG_OP_L2_NORM: case MG_OP_SUM_ROWS: return mg_k_reduce;
-        case MG_OP_MUL_MAT:  return mg_k_mul_mat;
-        case MG_OP_SSM_CONV: return mg_k_ssm_conv;
-        case MG_OP_SSM_SCAN: return mg_k_ssm_scan;
-        case MG_OP_GATED_DELTA_NET: return mg_k_gated_delta_net;
-        default: return NULL;
-    }
+    return op >= 0 && op < n_kernels ? kernels[op].kernel : NULL;
 }
 
 static mg_check check_for(int op) {
-    switch (op) {
-        case MG_OP_GET_ROWS: return mg_check_get_rows;
-        case MG_OP_SET_ROWS: return mg_check_set_rows;
-        case MG_OP_SSM_SCAN: return mg_check_ssm_scan;
-        default: return NULL;
-    }
+    return op >= 0 && op < n_kernels ? kernels[op].check : NULL;
 }
 
 /* 0 to run, nonzero (err filled) to stop before node i */

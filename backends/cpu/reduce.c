@@ -1,4 +1,4 @@
-/* Row reductions over dim 0, summed in double as ggml's CPU does: RMS_NORM, L2_NORM, SUM_ROWS.
+/* Row ops over dim 0, summed in double as ggml's CPU does: RMS_NORM, L2_NORM, SUM_ROWS, SOFT_MAX.
  * a = src[0] [ne0, ne1, ne2, ne3] f32 with dense rows; dst f32 contiguous. */
 #include "mg.h"
 
@@ -23,11 +23,14 @@ static double sum(const float *x, int64_t n) {  /* x: [n] */
     return (s0 + s1) + (s2 + s3);
 }
 
-void mg_k_reduce(const mg_node *n, int ith, int nth) {
+/* RMS_NORM, L2_NORM, SUM_ROWS share the row walk; KIND picks the formula (constant-folded) */
+enum { RED_SUM, RED_RMS, RED_L2 };
+
+static inline void reduce_rows(const mg_node *n, int ith, int nth, int kind) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *d = &n->dst;
     const int64_t ne0 = a->ne[0];
-    const float eps = n->fp[0];
+    const float eps = n->fp[0];   /* RMS_NORM, L2_NORM: fp = {eps} */
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
@@ -35,13 +38,13 @@ void mg_k_reduce(const mg_node *n, int ith, int nth) {
         mg_row_coords(a, r, &i1, &i2, &i3);
         const float *x = (const float *)mg_ptr(a, 0, i1, i2, i3);  /* [ne0] */
         float *y = (float *)mg_ptr(d, 0, i1, i2, i3);              /* [ne0] or [1] for SUM_ROWS */
-        if (n->op == MG_OP_SUM_ROWS) {
+        if (kind == RED_SUM) {
             y[0] = (float)sum(x, ne0);
-        } else if (n->op == MG_OP_RMS_NORM) {
+        } else if (kind == RED_RMS) {
             const float mean = (float)(sum_sq(x, ne0) / (double)ne0);
             const float scale = 1.0f / sqrtf(mean + eps);
             for (int64_t i = 0; i < ne0; i++) y[i] = x[i] * scale;
-        } else {  /* L2_NORM */
+        } else {
             const float ss = (float)sum_sq(x, ne0);
             const float nrm = sqrtf(ss);
             const float scale = 1.0f / (nrm < eps ? eps : nrm);   /* NaN propagates like np.maximum */
@@ -49,3 +52,52 @@ void mg_k_reduce(const mg_node *n, int ith, int nth) {
         }
     }
 }
+
+static void mg_k_sum_rows(const mg_node *n, int ith, int nth) { reduce_rows(n, ith, nth, RED_SUM); }
+static void mg_k_rms_norm(const mg_node *n, int ith, int nth) { reduce_rows(n, ith, nth, RED_RMS); }
+static void mg_k_l2_norm(const mg_node *n, int ith, int nth)  { reduce_rows(n, ith, nth, RED_L2); }
+
+MG_KERNEL(SUM_ROWS, mg_k_sum_rows, NULL)
+MG_KERNEL(RMS_NORM, mg_k_rms_norm, NULL)
+MG_KERNEL(L2_NORM, mg_k_l2_norm, NULL)
+
+/* SOFT_MAX (ggml_soft_max_ext; the shape rule requires max_bias == 0): fp = {scale, max_bias}.
+ *   a    = src[0] [ne0, ne1, ne2, ne3] f32
+ *   mask = src[1] [ne0, >= ne1, ne2 | a.ne2, ne3 | a.ne3] f32, or absent (data NULL)
+ *   dst          [ne0, ne1, ne2, ne3]
+ * Per row (i1, i2, i3): w = x*scale (+ mask row (i1, i2 % mask.ne2, i3 % mask.ne3)), rounded
+ * after each step; y = exp(w - max w) * (float)(1 / sum), the sum in double as ggml. w and the
+ * exponentials are staged in the destination row, every access through the byte strides. */
+static void mg_k_soft_max(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *m = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    const float scale = n->fp[0];
+    const int64_t ne0 = a->ne[0];
+    int64_t r0, r1;
+    mg_split(mg_nrows(a), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i1, i2, i3;
+        mg_row_coords(a, r, &i1, &i2, &i3);
+        const char *x = mg_ptr(a, 0, i1, i2, i3);                                          /* [ne0] */
+        const char *mr = m->data ? mg_ptr(m, 0, i1, i2 % m->ne[2], i3 % m->ne[3]) : NULL;  /* [ne0] */
+        char *y = mg_ptr(d, 0, i1, i2, i3);                                                /* [ne0] */
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < ne0; i++) {
+            float w = mg_load_f32(x + i * a->nb[0]) * scale;
+            if (mr) w += mg_load_f32(mr + i * m->nb[0]);
+            mg_store_f32(y + i * d->nb[0], w);
+            mx = w > mx ? w : mx;
+        }
+        double sum = 0.0;
+        for (int64_t i = 0; i < ne0; i++) {
+            const float e = expf(mg_load_f32(y + i * d->nb[0]) - mx);
+            mg_store_f32(y + i * d->nb[0], e);
+            sum += (double)e;
+        }
+        const float inv = (float)(1.0 / sum);
+        for (int64_t i = 0; i < ne0; i++) mg_store_f32(y + i * d->nb[0], mg_load_f32(y + i * d->nb[0]) * inv);
+    }
+}
+
+MG_KERNEL(SOFT_MAX, mg_k_soft_max, NULL)

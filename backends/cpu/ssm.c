@@ -444,3 +444,7 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
         }
     }
 }
+
+MG_KERNEL(SSM_CONV, mg_k_ssm_conv, NULL)
+MG_KERNEL(SSM_SCAN, mg_k_ssm_scan, mg_check_ssm_scan)
+MG_KERNEL(GATED_DELTA_NET, mg_k_gated_delta_net, NULL)

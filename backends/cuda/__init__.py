@@ -21,6 +21,7 @@ import numpy as np
 
 from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node, register_backend
 from minigraph.errors import OpError
+from minigraph.ops.elementwise import BINARY, UNARY
 from minigraph.ops.index import check_indices
 from minigraph.registry import OPS
 from minigraph.tensor import contiguous_strides
@@ -186,21 +187,13 @@ def _cdiv(a: int, b: int) -> int:
     return max(1, (a + b - 1) // b)
 
 
-# the kernels each .cu file defines, by name (tests check this list against the sources)
-CU_KERNELS = {
-    "copy.cu": ["cpy_b2", "cpy_b4", "cpy_b8", "cpy_f32_f16", "cpy_f32_i32", "cpy_f16_f32", "cpy_i32_f32",
-                "cpy_tr_b2", "cpy_tr_b4", "cpy_tr_b8",
-                "concat_b2", "concat_b4", "concat_b8", "repeat_b2", "repeat_b4", "repeat_b8"],
-    "index.cu": ["check_idx_i32", "check_idx_i64", "get_rows_b4", "get_rows_f16_f32"]
-                + [f"set_rows_{s}_{d}_{i}" for s in ("f32", "f16") for d in ("f32", "f16") for i in ("i32", "i64")]
-                + ["arange_f32"],
-    "elementwise.cu": ["silu_f32", "sigmoid_f32", "softplus_f32", "exp_f32", "sqrt_f32", "neg_f32",
-                       "add_f32", "sub_f32", "mul_f32", "div_f32", "scale_f32"],
-    "reduce.cu": ["sum_rows_f32", "rms_norm_f32", "l2_norm_f32"],
-    "matmul.cu": ["mul_mat_f32"],
-    "ssm.cu": ["ssm_conv_f32", "ssm_conv_any_f32", "ssm_scan_j1", "ssm_scan_j4", "ssm_scan_j32",
-               "gated_delta_net_j1", "gated_delta_net_j4", "gated_delta_net_j32"],
-}
+def _kernels_in_sources() -> dict:
+    """.cu file -> the kernels it defines (each written `extern "C" __global__ void NAME(`)."""
+    from .emu import kernel_names
+    return {f: kernel_names(os.path.join(HERE, f)) for f in sorted(os.listdir(HERE)) if f.endswith(".cu")}
+
+
+CU_KERNELS = _kernels_in_sources()
 _FILE_OF = {k: f for f, ks in CU_KERNELS.items() for k in ks}
 
 MAX_STATE_DIM = 1024   # SSM_SCAN d_state and GATED_DELTA_NET S_v: 32 lanes x 32 registers
@@ -322,7 +315,6 @@ class CudaBackend(Backend):
         """A 1-D grid-stride launch over n elements; args follow the leading n."""
         self._launch(kernel, (_cdiv(n, block), 1, 1), (block, 1, 1), [np.int64(n)] + list(args))
 
-    _EXEMPT = {("CPY", "b"), ("SET_ROWS", "a")}   # destinations the kernel does not read
 
     def _operands(self, node, keep: list) -> dict:
         """The node's memory and its sources'. A write-through node whose source overlaps its
@@ -336,7 +328,10 @@ class CudaBackend(Backend):
             dend = doffs + node.nbytes()
         for name, s in node.srcs.items():
             o = self._opnd(s)
-            if wt and (node.op, name) not in self._EXEMPT and not (name == "a" and node.op in _INPLACE_A):
+            d = OPS[node.op]
+            # a destination the kernel only writes (cpy's b, set_rows's a) needs no staging, nor
+            # the in-place input of an elementwise op (each element read then written by one thread)
+            if wt and name not in d.dest_sources and name not in d.inplace_sources:
                 sbuf, soffs = s.storage()
                 if sbuf is dbuf and soffs < dend and doffs < soffs + s.nbytes():
                     tmp = self._contig_scratch(s.type, s.ne, keep)
@@ -374,12 +369,35 @@ class CudaBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# one function per op: (backend, node, operands) -> launches
+# one function per op: (backend, node, operands) -> launches, registered with @runs(op names)
 
+KERNELS: dict = {}   # op name -> what runs it (supports_op and the coverage test read this)
+
+# Ops this backend deliberately does not run, with the reason (the coverage test reads this).
+UNSUPPORTED: dict[str, str] = {}
+
+
+def runs(*names):
+    """Register the decorated launcher for the registry ops ``names``."""
+    def deco(fn):
+        for n in names:
+            if n not in OPS:
+                raise RuntimeError(f"cuda: a launcher is registered for {n!r}, which is not a registered op")
+            KERNELS[n] = fn
+        return fn
+    return deco
+
+
+def implemented_ops() -> set:
+    return set(KERNELS)
+
+
+@runs("CPY", "CONT")
 def _op_copy(be: CudaBackend, node, ops):      # CPY (into b, or a cast) and CONT
     be._copy(ops["a"], ops["dst"])
 
 
+@runs("CONCAT")
 def _op_concat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
     dim = node.params["dim"]
@@ -387,12 +405,14 @@ def _op_concat(be, node, ops):
              + [b.p()] + b.strides() + [d.p()] + d.strides())
 
 
+@runs("REPEAT")
 def _op_repeat(be, node, ops):
     a, d = ops["a"], ops["dst"]
     be._flat(f"repeat_b{d.type.size}", d.n, divs(d.ne) + [np.int64(x) for x in a.ne] + [a.p()] + a.strides()
              + [d.p()] + d.strides())
 
 
+@runs("GET_ROWS")
 def _op_get_rows(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
     if not be._check_indices(node, b, a.ne[1]):
@@ -403,6 +423,7 @@ def _op_get_rows(be, node, ops):
     be._flat(kernel, d.n, divs(d.ne) + [a.p()] + a.strides() + [b.p()] + b.strides() + [d.p()] + d.strides())
 
 
+@runs("SET_ROWS")
 def _op_set_rows(be, node, ops):
     b, c, d = ops["b"], ops["c"], ops["dst"]
     if not be._check_indices(node, c, d.ne[1]):
@@ -415,6 +436,7 @@ def _op_set_rows(be, node, ops):
              + [d.p()] + d.strides())
 
 
+@runs("ARANGE")
 def _op_arange(be, node, ops):
     d = ops["dst"]
     p = node.params
@@ -436,6 +458,7 @@ def _binary(kernel):
     return run
 
 
+@runs("SCALE")
 def _op_scale(be, node, ops):
     a, d = ops["a"], ops["dst"]
     be._flat("scale_f32", d.n, divs(d.ne) + [a.p()] + a.strides() + [d.p()] + d.strides()
@@ -453,6 +476,20 @@ def _reduce(kernel):
     return run
 
 
+@runs("SOFT_MAX")
+def _op_soft_max(be, node, ops):
+    a, d, m = ops["a"], ops["dst"], ops.get("mask")
+    nrows = a.ne[1] * a.ne[2] * a.ne[3]
+    if m is None:   # the kernel reads no mask: any valid pointer, unit broadcast extents
+        mask = [np.int64(0), np.int64(1), np.int64(1), a.p()] + [np.int64(0)] * 4
+    else:
+        mask = [np.int64(1), np.int64(m.ne[2]), np.int64(m.ne[3]), m.p()] + m.strides()
+    be._launch("soft_max_f32", (nrows, 1, 1), (256, 1, 1),
+               [np.int64(nrows), np.int64(a.ne[0]), np.int64(a.ne[1]), np.int64(a.ne[2]), a.p()] + a.strides()
+               + mask + [d.p()] + d.strides() + [np.float32(node.params["scale"])])
+
+
+@runs("MUL_MAT")
 def _op_mul_mat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
     M, N, K = a.ne[1], b.ne[1], a.ne[0]
@@ -461,6 +498,7 @@ def _op_mul_mat(be, node, ops):
                + [a.p()] + a.strides() + [b.p()] + b.strides() + [d.p()] + d.strides())
 
 
+@runs("SSM_CONV")
 def _op_ssm_conv(be, node, ops):
     x, w, d = ops["sx"], ops["c"], ops["dst"]
     d_conv, d_inner, n_t, n_s = w.ne[0], w.ne[1], d.ne[1], d.ne[2]
@@ -479,6 +517,7 @@ def _zero_tail(be, d: Opnd, start: int):
         be.dev.memset(d.ptr + start * 4, 0, (n - start) * 4)
 
 
+@runs("SSM_SCAN")
 def _op_ssm_scan(be, node, ops):
     s, x, dt, A, B, C, ids, d = (ops[k] for k in ("s", "x", "dt", "A", "B", "C", "ids", "dst"))
     ds, hd, nh, nt, ns, ng = s.ne[0], x.ne[0], x.ne[1], x.ne[2], x.ne[3], B.ne[1]
@@ -495,6 +534,7 @@ def _op_ssm_scan(be, node, ops):
     be._launch(f"ssm_scan_j{_rows_per_lane(ds)}", (_cdiv(nrows, 4), 1, 1), (128, 1, 1), args)
 
 
+@runs("GATED_DELTA_NET")
 def _op_gated_delta_net(be, node, ops):
     q, k, v, g, beta, state, d = (ops[n] for n in ("q", "k", "v", "g", "beta", "state", "dst"))
     S, H, T, ns = v.ne
@@ -509,21 +549,16 @@ def _op_gated_delta_net(be, node, ops):
     be._launch(f"gated_delta_net_j{_rows_per_lane(S)}", (_cdiv(nrows, 4), 1, 1), (128, 1, 1), args)
 
 
-# op name -> what runs it (supports_op is derived from this table)
-KERNELS = {
-    "CPY": _op_copy, "CONT": _op_copy, "CONCAT": _op_concat, "REPEAT": _op_repeat,
-    "GET_ROWS": _op_get_rows, "SET_ROWS": _op_set_rows, "ARANGE": _op_arange,
-    "SILU": _unary("silu_f32"), "SIGMOID": _unary("sigmoid_f32"), "SOFTPLUS": _unary("softplus_f32"),
-    "EXP": _unary("exp_f32"), "NEG": _unary("neg_f32"), "SQRT": _unary("sqrt_f32"),
-    "ADD": _binary("add_f32"), "SUB": _binary("sub_f32"), "MUL": _binary("mul_f32"), "DIV": _binary("div_f32"),
-    "SCALE": _op_scale,
-    "RMS_NORM": _reduce("rms_norm_f32"), "L2_NORM": _reduce("l2_norm_f32"), "SUM_ROWS": _reduce("sum_rows_f32"),
-    "MUL_MAT": _op_mul_mat,
-    "SSM_CONV": _op_ssm_conv, "SSM_SCAN": _op_ssm_scan, "GATED_DELTA_NET": _op_gated_delta_net,
-}
-
-# elementwise ops whose in-place form writes into its own input 'a' element by element
-_INPLACE_A = {"SILU", "SIGMOID", "SOFTPLUS", "EXP", "NEG", "SQRT", "ADD", "SUB", "MUL", "DIV", "SCALE"}
+# the unary and binary families: op NAME runs the kernel name_f32 of elementwise.cu when the
+# source defines it (so a new unary op needs only its kernel there)
+for _name in UNARY:
+    if f"{_name.lower()}_f32" in _FILE_OF:
+        KERNELS[_name] = _unary(f"{_name.lower()}_f32")
+for _name in BINARY:
+    if f"{_name.lower()}_f32" in _FILE_OF:
+        KERNELS[_name] = _binary(f"{_name.lower()}_f32")
+for _name, _kernel in {"RMS_NORM": "rms_norm_f32", "L2_NORM": "l2_norm_f32", "SUM_ROWS": "sum_rows_f32"}.items():
+    KERNELS[_name] = _reduce(_kernel)
 
 
 def _factory(index: int) -> CudaBackend:
@@ -532,4 +567,5 @@ def _factory(index: int) -> CudaBackend:
 
 register_backend("cuda", _factory)
 
-__all__ = ["CudaBackend", "CupyDevice", "KERNELS", "CU_KERNELS", "module_source", "INSTALL_HINT"]
+__all__ = ["CudaBackend", "CupyDevice", "KERNELS", "CU_KERNELS", "UNSUPPORTED", "implemented_ops", "module_source",
+           "INSTALL_HINT"]

@@ -310,7 +310,7 @@ class SplitStates:
             if st is not None and st.axis == UNKNOWN:   # pragma: no cover - never stored
                 raise _Fail("sources", f"source {s.label} has no state")
         own, rule = _apply_rule(t, srcs, ss, self.n_dev, assume_sync=False)
-        if own.axis == PARTIAL and t.op == "MUL_MAT":
+        if own.axis == PARTIAL and OPS[t.op].split == "mul_mat":
             state = SplitState.mirrored()
         else:
             state = own
@@ -527,10 +527,80 @@ def _gated_delta_net(t, srcs, ss, rule) -> SplitState:
 
 
 _CUT = " [new split dim cuts the old chunks]"
-_GENERIC_SCALAR = {"SSM_SCAN"}            # ggml: handle_generic(scalar_only = true)
-_GENERIC = {"SILU", "SIGMOID", "SOFTPLUS", "EXP", "NEG", "SQRT", "SCALE", "REPEAT"}
-_PER_ROW = {"RMS_NORM", "L2_NORM", "SUM_ROWS"}
-_BIN = {"ADD", "SUB", "MUL", "DIV"}
+# The rule each op declares by name (OpDef.split) -> (t, srcs, ss, n_dev, assume_sync) -> (state, rule text)
+
+def _r_generic(t, srcs, ss, n_dev, assume_sync):
+    rule = "generic (all sources agree)"
+    return _generic(t, srcs, ss, False, rule), rule
+
+
+def _r_generic_scalar(t, srcs, ss, n_dev, assume_sync):
+    rule = "generic (scalar only: all sources MIRRORED)"     # ggml: handle_generic(scalar_only = true)
+    return _generic(t, srcs, ss, True, rule), rule
+
+
+def _r_per_row(t, srcs, ss, n_dev, assume_sync):
+    rule = "per-row op keeps src0"
+    return _per_row(t, srcs, ss, rule), rule
+
+
+def _r_bin_bcast(t, srcs, ss, n_dev, assume_sync):
+    rule = "binary broadcast"
+    return _bin_bcast(t, srcs, ss, rule), rule
+
+
+def _r_concat(t, srcs, ss, n_dev, assume_sync):
+    rule = "concat"
+    return _concat(t, srcs, ss, rule), rule
+
+
+def _r_mul_mat(t, srcs, ss, n_dev, assume_sync):
+    rule = f"mul_mat ({ss[0].axis if ss[0].is_split else axis_name(ss[0].axis)}, " \
+           f"{ss[1].axis if ss[1].is_split else axis_name(ss[1].axis)})"
+    return _mul_mat(t, srcs, ss, assume_sync, rule), rule
+
+
+def _r_reshape(t, srcs, ss, n_dev, assume_sync):
+    cut: list = []
+    rule = "reshape (flattened split position)"
+    st = _reshape(t, srcs, ss, rule, cut)
+    return st, rule + (_CUT if cut else "")
+
+
+def _r_cpy(t, srcs, ss, n_dev, assume_sync):
+    cut: list = []
+    rule = "cpy (reshape rule if src0 split, else generic)"
+    st = _cpy(t, srcs, ss, rule, cut)
+    return st, rule + (_CUT if cut else "")
+
+
+def _r_view(t, srcs, ss, n_dev, assume_sync):
+    cut: list = []
+    holder = ["view"]
+    st = _view(t, srcs, ss, holder, cut)
+    return st, holder[0] + (_CUT if cut else "")
+
+
+def _simple(name, fn):
+    return lambda t, srcs, ss, n_dev, assume_sync: (fn(t, srcs, ss, name), name)
+
+
+def _r_permute(t, srcs, ss, n_dev, assume_sync):
+    rule = t.op.lower()
+    return _permute(t, srcs, ss, rule), rule
+
+
+def _r_mirrored(t, srcs, ss, n_dev, assume_sync):
+    return SplitState.mirrored(), f"{t.op}: MIRRORED"
+
+
+SPLIT_RULES = {
+    "generic": _r_generic, "generic_scalar": _r_generic_scalar, "per_row": _r_per_row,
+    "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
+    "cpy": _r_cpy, "view": _r_view, "permute": _r_permute, "mirrored": _r_mirrored,
+    "get_rows": _simple("get_rows", _get_rows), "set_rows": _simple("set_rows", _set_rows),
+    "ssm_conv": _simple("ssm_conv", _ssm_conv), "gated_delta_net": _simple("gated_delta_net", _gated_delta_net),
+}
 
 
 def _apply_rule(t, srcs, ss, n_dev, assume_sync):
@@ -540,54 +610,10 @@ def _apply_rule(t, srcs, ss, n_dev, assume_sync):
     present = [s for s in srcs if s is not None]
     if not present:
         return SplitState.mirrored(), f"{op}: source-less -> MIRRORED"
-    if op in _BIN:
-        rule = "binary broadcast"
-        return _bin_bcast(t, srcs, ss, rule), rule
-    if op in _PER_ROW:
-        rule = "per-row op keeps src0"
-        return _per_row(t, srcs, ss, rule), rule
-    if op in _GENERIC:
-        rule = "generic (all sources agree)"
-        return _generic(t, srcs, ss, False, rule), rule
-    if op in _GENERIC_SCALAR:
-        rule = "generic (scalar only: all sources MIRRORED)"
-        return _generic(t, srcs, ss, True, rule), rule
-    if op == "CONCAT":
-        rule = "concat"
-        return _concat(t, srcs, ss, rule), rule
-    if op == "MUL_MAT":
-        rule = f"mul_mat ({ss[0].axis if ss[0].is_split else axis_name(ss[0].axis)}, " \
-               f"{ss[1].axis if ss[1].is_split else axis_name(ss[1].axis)})"
-        return _mul_mat(t, srcs, ss, assume_sync, rule), rule
-    cut: list = []
-    if op in ("CONT", "RESHAPE"):
-        rule = "reshape (flattened split position)"
-        st = _reshape(t, srcs, ss, rule, cut)
-        return st, rule + (_CUT if cut else "")
-    if op == "CPY":
-        rule = "cpy (reshape rule if src0 split, else generic)"
-        st = _cpy(t, srcs, ss, rule, cut)
-        return st, rule + (_CUT if cut else "")
-    if op == "VIEW":
-        holder = ["view"]
-        st = _view(t, srcs, ss, holder, cut)
-        return st, holder[0] + (_CUT if cut else "")
-    if op in ("PERMUTE", "TRANSPOSE"):
-        rule = op.lower()
-        return _permute(t, srcs, ss, rule), rule
-    if op == "GET_ROWS":
-        rule = "get_rows"
-        return _get_rows(t, srcs, ss, rule), rule
-    if op == "SET_ROWS":
-        rule = "set_rows"
-        return _set_rows(t, srcs, ss, rule), rule
-    if op == "SSM_CONV":
-        rule = "ssm_conv"
-        return _ssm_conv(t, srcs, ss, rule), rule
-    if op == "GATED_DELTA_NET":
-        rule = "gated_delta_net"
-        return _gated_delta_net(t, srcs, ss, rule), rule
-    raise _Fail("no rule", f"the meta backend has no split rule for op {op}")
+    rule_fn = SPLIT_RULES.get(OPS[op].split)
+    if rule_fn is None:
+        raise _Fail("no rule", f"the meta backend has no split rule for op {op} (it declares split={OPS[op].split!r})")
+    return rule_fn(t, srcs, ss, n_dev, assume_sync)
 
 
 def _take_ratio(t, srcs, ss, st: SplitState, rule: str, n_dev: int) -> SplitState:
@@ -630,9 +656,9 @@ def _check_write_through(t, srcs, ss, own, rule):
     """A node that writes into memory it does not own must have that memory's state."""
     if t.view_src is None or t.op == "NONE" or OPS[t.op].is_view:
         return
-    dst_name = {"CPY": "b", "SET_ROWS": "a"}.get(t.op, "a")
+    dst_name = OPS[t.op].write_target(t)
     names = OPS[t.op].srcs
-    if dst_name not in names:
+    if dst_name is None:
         return
     i = names.index(dst_name)
     dst, dst_st = srcs[i], ss[i]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..tensor import Tensor
 from ..types import DType, f16, f32, i32
 
@@ -27,7 +27,19 @@ def _check_convert(opname, a: Tensor, t: DType):
             f"f32<->f16, f32<->i32)")
 
 
-@op("CPY", srcs=("a", "b"), params={"type": DType})
+def _ggml_cpy(g, node, src):
+    """ggml_cpy into a destination b, or ggml_cast to a new tensor of another type."""
+    if "b" in node.srcs:
+        return g.call("cpy", src("a"), src("b"))
+    return g.call("cast", src("a"), node.type.ggml_id)
+
+
+_T = "struct ggml_tensor *"
+
+
+@op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy",
+    ggml=GgmlCall(override=_ggml_cpy, cdef=f"{_T} ggml_cpy(struct ggml_context * ctx, {_T} a, {_T} b);\n"
+                                           f"{_T} ggml_cast(struct ggml_context * ctx, {_T} a, int type);\n"))
 def _cpy_rule(a, type, b=None):
     _check_convert("CPY", a, type)
     if b is None:  # ggml_cast: a new contiguous tensor of the new type
@@ -52,7 +64,7 @@ def cast(a, type: DType):
     return build("CPY", a=a, type=type)
 
 
-@op("CONT", srcs=("a",), params={"ne": tuple})
+@op("CONT", srcs=("a",), params={"ne": tuple}, split="reshape", ggml=GgmlCall("cont_4d", ("a", "@ne")))
 def _cont_rule(a, ne):
     require(int(np.prod(ne)) == a.nelements(), "CONT",
             f"{a.label} has {a.nelements()} elements, ne={list(ne)} has {int(np.prod(ne))}")
@@ -80,7 +92,7 @@ def cont_4d(a, ne0, ne1, ne2, ne3):
     return build("CONT", a=a, ne=(ne0, ne1, ne2, ne3))
 
 
-@op("CONCAT", srcs=("a", "b"), params={"dim": int})
+@op("CONCAT", srcs=("a", "b"), params={"dim": int}, split="concat", ggml=GgmlCall("concat", ("a", "b", "dim")))
 def _concat_rule(a, b, dim):
     require(0 <= dim < 4, "CONCAT", f"dim {dim} must be in [0, 4)")
     require(a.type == b.type, "CONCAT", f"{a.label} is {a.type.name} but {b.label} is {b.type.name}")
@@ -103,7 +115,7 @@ def concat(a, b, dim=0):
     return build("CONCAT", a=a, b=b, dim=dim)
 
 
-@op("REPEAT", srcs=("a",), params={"ne": tuple})
+@op("REPEAT", srcs=("a",), params={"ne": tuple}, split="generic", ggml=GgmlCall("repeat_4d", ("a", "@ne")))
 def _repeat_rule(a, ne):
     ne = tuple(int(x) for x in ne) + (1,) * (4 - len(ne))
     require(a.is_contiguous_rows(), "REPEAT", f"{a.label} rows must be contiguous (nb0 == {a.type.size})")

@@ -1,12 +1,17 @@
 """Elementwise ops: unary math, binary ops with ggml broadcasting, scale / scale_bias.
 All f32 (as ggml's CPU backend computes them); `inplace` variants return a view of `a`
-and write through into it."""
+and write through into it.
+
+A unary op is one `unary(...)` line below: the registry entry (shape rule, reference, ggml
+call, meta split rule, test cases) and the public function `mg.<name>` come from it."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, Src, build, cases, op, reference, require
 from ..types import f32
+
+__all__ = ["add", "sub", "mul", "div", "scale", "scale_inplace", "scale_bias"]   # + every unary()
 
 
 def _same_or_view(a, inplace: bool) -> Out:
@@ -30,19 +35,18 @@ def _silu(x):
         return (x / (np.float32(1) + np.exp(-x))).astype(np.float32)
 
 
-# ggml name -> NumPy function (float32 in, float32 out)
-UNARY = {
-    "SILU": _silu,
-    "SIGMOID": _sigmoid,
-    "SOFTPLUS": _softplus,
-    "EXP": np.exp,
-    "NEG": np.negative,
-    "SQRT": np.sqrt,
-}
+UNARY: dict = {}   # op name -> NumPy function (float32 in, float32 out)
 
 
-def _register_unary(name, fn):
-    @op(name, srcs=("a",), params={"inplace": bool})
+def unary(name: str, fn, *, exact: bool = False, data=None):
+    """Register the f32 unary op ``name`` computing ``fn`` (ggml's ggml_<name>, with an
+    _inplace variant) and return its public function ``<name>(a, inplace=False)``.
+    ``exact``: backends must match the reference bit for bit; ``data``: a transform of the
+    random test data into the op's domain (e.g. np.abs for sqrt)."""
+    UNARY[name] = fn
+
+    @op(name, srcs=(Src("a", inplace=True),), params={"inplace": bool}, split="generic",
+        ggml=GgmlCall(name.lower(), ("a",)), cases=cases("unary", exact=exact, data=data))
     def rule(a, inplace):
         require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
         require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
@@ -53,33 +57,24 @@ def _register_unary(name, fn):
         with np.errstate(invalid="ignore", over="ignore"):
             return fn(a).astype(np.float32)
 
-
-for _n, _f in UNARY.items():
-    _register_unary(_n, _f)
-
-
-def silu(a, inplace=False):
-    return build("SILU", a=a, inplace=inplace)
-
-
-def sigmoid(a, inplace=False):
-    return build("SIGMOID", a=a, inplace=inplace)
+    def api(a, inplace=False):
+        return build(name, a=a, inplace=inplace)
+    api.__name__ = api.__qualname__ = name.lower()
+    api.__doc__ = f"ggml_{name.lower()}: elementwise, f32; inplace=True returns a view of a."
+    __all__.append(api.__name__)
+    return api
 
 
-def softplus(a, inplace=False):
-    return build("SOFTPLUS", a=a, inplace=inplace)
+def _times30(x):
+    return x * np.float32(30)   # crosses softplus's x > 20 branch
 
 
-def exp(a, inplace=False):
-    return build("EXP", a=a, inplace=inplace)
-
-
-def neg(a, inplace=False):
-    return build("NEG", a=a, inplace=inplace)
-
-
-def sqrt(a, inplace=False):
-    return build("SQRT", a=a, inplace=inplace)
+silu = unary("SILU", _silu)
+sigmoid = unary("SIGMOID", _sigmoid)
+softplus = unary("SOFTPLUS", _softplus, data=_times30)
+exp = unary("EXP", np.exp)
+neg = unary("NEG", np.negative, exact=True)
+sqrt = unary("SQRT", np.sqrt, data=np.abs)
 
 
 BINARY = {"ADD": np.add, "SUB": np.subtract, "MUL": np.multiply, "DIV": np.divide}
@@ -95,7 +90,8 @@ def tile_to(b: np.ndarray, shape) -> np.ndarray:
 
 
 def _register_binary(name, fn):
-    @op(name, srcs=("a", "b"), params={"inplace": bool})
+    @op(name, srcs=(Src("a", inplace=True), "b"), params={"inplace": bool}, split="bin_bcast",
+        ggml=GgmlCall(name.lower(), ("a", "b")), cases=cases("binary", exact=name != "DIV"))
     def rule(a, b, inplace):
         require(a.type == f32 and b.type == f32, name, f"{a.label} and {b.label} must be f32, got {a.type.name}, {b.type.name}")
         require(can_repeat(b, a), name,
@@ -129,7 +125,21 @@ def div(a, b, inplace=False):
     return build("DIV", a=a, b=b, inplace=inplace)
 
 
-@op("SCALE", srcs=("a",), params={"s": float, "b": float, "inplace": bool})
+def _ggml_scale(g, node, src):
+    """ggml_scale when b == 0 (it has no bias param), else ggml_scale_bias."""
+    p = node.params
+    if p["b"] == 0.0:
+        return g.call("scale", src("a"), p["s"], inplace=p["inplace"])
+    return g.call("scale_bias", src("a"), p["s"], p["b"], inplace=p["inplace"])
+
+
+_T = "struct ggml_tensor *"
+_SCALE_CDEF = "".join(f"{_T} ggml_scale{v}{sfx}(struct ggml_context * ctx, {_T} a, float s{b});\n"
+                      for v, b in (("", ""), ("_bias", ", float b")) for sfx in ("", "_inplace"))
+
+
+@op("SCALE", srcs=(Src("a", inplace=True),), params={"s": float, "b": float, "inplace": bool},
+    split="generic", ggml=GgmlCall(override=_ggml_scale, cdef=_SCALE_CDEF))
 def _scale_rule(a, s, b, inplace):
     require(a.type == f32, "SCALE", f"{a.label} must be f32, got {a.type.name}")
     require(a.is_contiguous(), "SCALE", f"{a.label} must be contiguous, got nb={list(a.nb)}")

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from ..errors import OpError
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..types import f16, f32, i32, i64
 from .copy import convert
 
@@ -19,7 +19,7 @@ def check_indices(opname: str, node, idx_name: str, idx: np.ndarray, limit: int)
                       f"is out of range [0, {limit})")
 
 
-@op("GET_ROWS", srcs=("a", "b"))
+@op("GET_ROWS", srcs=("a", "b"), split="get_rows", ggml=GgmlCall("get_rows", ("a", "b")))
 def _get_rows_rule(a, b):
     require(b.type == i32, "GET_ROWS", f"indices {b.label} must be i32, got {b.type.name}")
     require(a.type in (f32, f16, i32), "GET_ROWS", f"rows {a.label} must be f32, f16 or i32, got {a.type.name}")
@@ -44,7 +44,8 @@ def get_rows(a, b):
     return build("GET_ROWS", a=a, b=b)
 
 
-@op("SET_ROWS", srcs=("b", "c", "a"))
+@op("SET_ROWS", srcs=("b", "c", Src("a", dest=True)), split="set_rows",
+    ggml=GgmlCall("set_rows", ("a", "b", "c")))   # ggml_set_rows(ctx, a = dst, b, c)
 def _set_rows_rule(a, b, c):
     name = "SET_ROWS"
     require(a.ne[0] == b.ne[0], name, f"destination {a.label} rows have {a.ne[0]} elements, source {b.label} rows {b.ne[0]}")
@@ -79,7 +80,8 @@ def set_rows(a, b, c):
     return build("SET_ROWS", a=a, b=b, c=c)
 
 
-@op("ARANGE", params={"start": float, "stop": float, "step": float})
+@op("ARANGE", params={"start": float, "stop": float, "step": float}, split="mirrored",
+    ggml=GgmlCall("arange", ("start", "stop", "step")))
 def _arange_rule(start, stop, step):
     require(stop > start and step > 0, "ARANGE",
             f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")

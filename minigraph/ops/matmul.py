@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, build, op, reference, require
 from ..types import f32
 
 
-@op("MUL_MAT", srcs=("a", "b"))
+@op("MUL_MAT", srcs=("a", "b"), split="mul_mat", ggml=GgmlCall("mul_mat", ("a", "b")))
 def _mul_mat_rule(a, b):
     name = "MUL_MAT"
     require(a.type == f32 and b.type == f32, name, f"{a.label} and {b.label} must be f32")

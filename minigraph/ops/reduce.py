@@ -1,9 +1,9 @@
-"""Row reductions over dim 0: rms_norm, l2_norm, sum_rows (sums in double, as ggml's CPU)."""
+"""Row ops over dim 0: rms_norm, l2_norm, sum_rows, soft_max (sums in double, as ggml's CPU)."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, Src, build, cases, op, reference, require
 from ..types import f32
 
 
@@ -12,7 +12,8 @@ def _f32_rows(name, a):
     require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
 
 
-@op("RMS_NORM", srcs=("a",), params={"eps": float})
+@op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",
+    ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
 def _rms_norm_rule(a, eps):
     _f32_rows("RMS_NORM", a)
     require(eps >= 0, "RMS_NORM", f"eps must be >= 0, got {eps}")
@@ -31,7 +32,8 @@ def rms_norm(a, eps):
     return build("RMS_NORM", a=a, eps=eps)
 
 
-@op("L2_NORM", srcs=("a",), params={"eps": float})
+@op("L2_NORM", srcs=("a",), params={"eps": float}, split="per_row",
+    ggml=GgmlCall("l2_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
 def _l2_norm_rule(a, eps):
     _f32_rows("L2_NORM", a)
     return Out(f32, a.ne)
@@ -48,7 +50,7 @@ def l2_norm(a, eps):
     return build("L2_NORM", a=a, eps=eps)
 
 
-@op("SUM_ROWS", srcs=("a",))
+@op("SUM_ROWS", srcs=("a",), split="per_row", ggml=GgmlCall("sum_rows", ("a",)), cases=cases("rows"))
 def _sum_rows_rule(a):
     _f32_rows("SUM_ROWS", a)
     return Out(f32, (1, a.ne[1], a.ne[2], a.ne[3]))
@@ -61,3 +63,45 @@ def _sum_rows_ref(node, a):
 
 def sum_rows(a):
     return build("SUM_ROWS", a=a)
+
+
+@op("SOFT_MAX", srcs=("a", Src("mask", optional=True)), params={"scale": float, "max_bias": float},
+    split="per_row", ggml=GgmlCall("soft_max_ext", ("a", "mask", "scale", "max_bias")))
+def _soft_max_rule(a, scale, max_bias, mask=None):
+    name = "SOFT_MAX"
+    require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
+    require(a.is_contiguous(), name, f"{a.label} must be contiguous (ggml_soft_max_ext asserts it), got nb={list(a.nb)}")
+    if mask is not None:
+        require(mask.type == f32, name, f"mask {mask.label} must be f32, got {mask.type.name} (ggml also "
+                                        f"takes f16 masks; minigraph does not yet)")
+        require(mask.is_contiguous(), name, f"mask {mask.label} must be contiguous, got nb={list(mask.nb)}")
+        require(mask.ne[0] == a.ne[0], name, f"mask {mask.label} rows have {mask.ne[0]} elements, {a.label} rows {a.ne[0]}")
+        require(mask.ne[1] >= a.ne[1], name, f"mask {mask.label} has {mask.ne[1]} rows, fewer than {a.label}'s {a.ne[1]}")
+        require(mask.ne[2] > 0 and mask.ne[3] > 0 and a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, name,
+                f"mask {mask.label} ne={list(mask.ne)} must broadcast over {a.label} ne={list(a.ne)} in dims 2/3 "
+                f"(a.ne2 % mask.ne2 == 0, a.ne3 % mask.ne3 == 0)")
+    require(max_bias == 0.0, name, f"max_bias={max_bias}: ALiBi slopes are not implemented, max_bias must be 0.0")
+    return Out(f32, a.ne)
+
+
+@reference("SOFT_MAX")
+def _soft_max_ref(node, a, mask=None):
+    w = (a * np.float32(node.params["scale"])).astype(np.float32)
+    if mask is not None:   # rows 0 .. a.ne1-1 of the mask, tiled over dims 2/3 by modulo
+        rows = mask[:, :, : a.shape[2], :]
+        w = w + np.tile(rows, (a.shape[0] // mask.shape[0], a.shape[1] // mask.shape[1], 1, 1))
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(w - np.max(w, axis=-1, keepdims=True)).astype(np.float32)
+        inv = (1.0 / np.sum(e.astype(np.float64), axis=-1, keepdims=True)).astype(np.float32)
+        return (e * inv).astype(np.float32)
+
+
+def soft_max_ext(a, mask, scale, max_bias=0.0):
+    """ggml_soft_max_ext: softmax over each row of a*scale + mask (mask optional, f32, broadcast
+    over a's dims 2/3; its first a.ne1 rows are used)."""
+    return build("SOFT_MAX", a=a, mask=mask, scale=scale, max_bias=max_bias)
+
+
+def soft_max(a):
+    """ggml_soft_max: softmax over each row."""
+    return build("SOFT_MAX", a=a, scale=1.0, max_bias=0.0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, op, reference, require
+from ..registry import GgmlCall, Out, build, op, reference, require
 from ..types import f32, i32
 from .elementwise import _softplus
 from .index import check_indices
 
 
-@op("SSM_CONV", srcs=("sx", "c"))
+@op("SSM_CONV", srcs=("sx", "c"), split="ssm_conv", ggml=GgmlCall("ssm_conv", ("sx", "c")))
 def _ssm_conv_rule(sx, c):
     name = "SSM_CONV"
     require(sx.type == f32 and c.type == f32, name, f"{sx.label} and {c.label} must be f32")
@@ -42,7 +42,8 @@ def ssm_conv(sx, c):
     return build("SSM_CONV", sx=sx, c=c)
 
 
-@op("SSM_SCAN", srcs=("s", "x", "dt", "A", "B", "C", "ids"), params={"K": int})
+@op("SSM_SCAN", srcs=("s", "x", "dt", "A", "B", "C", "ids"), params={"K": int}, split="generic_scalar",
+    ggml=GgmlCall("ssm_scan", ("s", "x", "dt", "A", "B", "C", "ids", "K"), ctypes={"K": "int64_t"}))
 def _ssm_scan_rule(s, x, dt, A, B, C, ids, K):
     name = "SSM_SCAN"
     require(K >= 1, name, f"K must be >= 1, got {K}")
@@ -100,7 +101,8 @@ def ssm_scan(s, x, dt, A, B, C, ids, K=1):
     return build("SSM_SCAN", s=s, x=x, dt=dt, A=A, B=B, C=C, ids=ids, K=K)
 
 
-@op("GATED_DELTA_NET", srcs=("q", "k", "v", "g", "beta", "state"), params={"K": int})
+@op("GATED_DELTA_NET", srcs=("q", "k", "v", "g", "beta", "state"), params={"K": int}, split="gated_delta_net",
+    ggml=GgmlCall("gated_delta_net", ("q", "k", "v", "g", "beta", "state", "K"), ctypes={"K": "int64_t"}))
 def _gdn_rule(q, k, v, g, beta, state, K):
     name = "GATED_DELTA_NET"
     for t in (q, k, v, g, beta, state):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import Out, build, fail, op, require
+from ..registry import GgmlCall, Out, build, fail, op, require
 from ..tensor import Tensor, pad_ne
 
 
@@ -22,7 +22,29 @@ def check_view_bounds(opname: str, a: Tensor, ne, nb, offset: int):
             f"{end} of {root.label}, past its end ({root.nbytes()} bytes)")
 
 
-@op("VIEW", srcs=("a",), params={"ne": tuple, "nb": tuple, "offset": int}, is_view=True)
+def _ggml_view(g, node, src):
+    """ggml_view_4d. ggml's bounds check uses the contiguous size, so an overlapping view
+    (windows) would abort there: it is created one element wide, then widened to the real
+    extents and strides."""
+    a = src("a")
+    ne, nb, offset = node.ne, node.nb, node.params["offset"]
+    NULL = g.ffi.NULL
+    root = a.view_src if a.view_src != NULL else a
+    root_offs = (a.view_offs if a.view_src != NULL else 0) + offset
+    contiguous_size = ne[0] * node.type.size * ne[1] * ne[2] * ne[3]
+    if nb[0] == node.type.size and (contiguous_size == 0 or contiguous_size + root_offs <= g.lib.ggml_nbytes(root)):
+        return g.call("view_4d", a, *ne, *nb[1:], offset)
+    t = g.call("view_4d", a, 1, 1, 1, 1, nb[1], nb[2], nb[3], offset)
+    t.ne[0:4], t.nb[0:4] = list(ne), list(nb)
+    return t
+
+
+_T = "struct ggml_tensor *"
+
+
+@op("VIEW", srcs=("a",), params={"ne": tuple, "nb": tuple, "offset": int}, is_view=True, split="view",
+    ggml=GgmlCall(override=_ggml_view, cdef=f"{_T} ggml_view_4d(struct ggml_context * ctx, {_T} a, int64_t ne0, "
+                  "int64_t ne1, int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset);\n"))
 def _view_rule(a, ne, nb, offset):
     ne = pad_ne(ne)
     nb = tuple(int(x) for x in nb)
@@ -60,7 +82,8 @@ def view_tensor(a):
     return build("VIEW", a=a, ne=a.ne, nb=a.nb, offset=0)
 
 
-@op("RESHAPE", srcs=("a",), params={"ne": tuple}, is_view=True)
+@op("RESHAPE", srcs=("a",), params={"ne": tuple}, is_view=True, split="reshape",
+    ggml=GgmlCall("reshape_4d", ("a", "@ne")))
 def _reshape_rule(a, ne):
     ne = pad_ne(ne)
     require(a.is_contiguous(), "RESHAPE", f"{a.label} must be contiguous (nb={list(a.nb)})")
@@ -100,12 +123,13 @@ def _permuted(opname, a, axes):
     return Out(a.type, tuple(ne), tuple(nb), view_of=a, offs=0)
 
 
-@op("PERMUTE", srcs=("a",), params={"axes": tuple}, is_view=True)
+@op("PERMUTE", srcs=("a",), params={"axes": tuple}, is_view=True, split="permute",
+    ggml=GgmlCall("permute", ("a", "axes")))
 def _permute_rule(a, axes):
     return _permuted("PERMUTE", a, axes)
 
 
-@op("TRANSPOSE", srcs=("a",), is_view=True)
+@op("TRANSPOSE", srcs=("a",), is_view=True, split="permute", ggml=GgmlCall("transpose", ("a",)))
 def _transpose_rule(a):
     return _permuted("TRANSPOSE", a, (1, 0, 2, 3))
 

@@ -1,8 +1,9 @@
 """The oracle: run a minigraph graph (an op_cases `Built`) on real ggml (libggml-python 0.20.2)
 through cffi ABI mode and read its outputs back as NumPy arrays.
 
-Every minigraph node is translated by op name into the matching ggml constructor (one small
-table entry per op). A failed GGML_ASSERT aborts the whole process, so anything ggml refuses is
+Every minigraph node is translated into the matching ggml constructor from its op's declaration
+(`OpDef.ggml`: a `GgmlCall` naming the function and its argument order, or an override for the
+few odd ones), and the cffi declarations of those constructors are derived from the same data. A failed GGML_ASSERT aborts the whole process, so anything ggml refuses is
 checked here first and raised as `GgmlRefuses`; ops with no ggml counterpart raise
 NotImplementedError. After building, each ggml tensor's type, ne, nb and view offset are compared
 with minigraph's, so a shape rule that disagrees with ggml fails loudly instead of silently.
@@ -16,13 +17,13 @@ import numpy as np
 from cffi import FFI
 
 from minigraph.graph import Graph
+from minigraph.registry import OPS, GgmlCall, NotInGgml
 from minigraph.types import ALL_TYPES, f16, f32, i32
 
 _T = "struct ggml_tensor *"
-_UNARY = ("silu", "sigmoid", "softplus", "exp", "neg", "sqrt")
-_BINARY = ("add", "sub", "mul", "div")
 
-_CDEF = f"""
+# the runtime: context, graph, compute, and the two constructors the driver itself calls
+_CDEF_CORE = f"""
 struct ggml_context;
 struct ggml_cgraph;
 struct ggml_init_params {{ size_t mem_size; void * mem_buffer; bool no_alloc; }};
@@ -46,36 +47,44 @@ void ggml_cpu_init(void);
 struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph * g, int n_threads, void * threadpool);
 int ggml_graph_compute(struct ggml_cgraph * g, struct ggml_cplan * cplan);
 {_T} ggml_new_tensor(struct ggml_context * ctx, int type, int n_dims, const int64_t * ne);
-{_T} ggml_view_4d(struct ggml_context * ctx, {_T} a, int64_t ne0, int64_t ne1, int64_t ne2,
-                  int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset);
-{_T} ggml_reshape_4d(struct ggml_context * ctx, {_T} a, int64_t, int64_t, int64_t, int64_t);
-{_T} ggml_permute(struct ggml_context * ctx, {_T} a, int, int, int, int);
-{_T} ggml_transpose(struct ggml_context * ctx, {_T} a);
-{_T} ggml_cpy(struct ggml_context * ctx, {_T} a, {_T} b);
-{_T} ggml_cast(struct ggml_context * ctx, {_T} a, int type);
-{_T} ggml_cont_4d(struct ggml_context * ctx, {_T} a, int64_t, int64_t, int64_t, int64_t);
-{_T} ggml_concat(struct ggml_context * ctx, {_T} a, {_T} b, int dim);
-{_T} ggml_repeat_4d(struct ggml_context * ctx, {_T} a, int64_t, int64_t, int64_t, int64_t);
-{_T} ggml_get_rows(struct ggml_context * ctx, {_T} a, {_T} b);
-{_T} ggml_set_rows(struct ggml_context * ctx, {_T} a, {_T} b, {_T} c);
-{_T} ggml_arange(struct ggml_context * ctx, float start, float stop, float step);
-{_T} ggml_scale(struct ggml_context * ctx, {_T} a, float s);
-{_T} ggml_scale_inplace(struct ggml_context * ctx, {_T} a, float s);
-{_T} ggml_scale_bias(struct ggml_context * ctx, {_T} a, float s, float b);
-{_T} ggml_scale_bias_inplace(struct ggml_context * ctx, {_T} a, float s, float b);
-{_T} ggml_rms_norm(struct ggml_context * ctx, {_T} a, float eps);
-{_T} ggml_l2_norm(struct ggml_context * ctx, {_T} a, float eps);
-{_T} ggml_sum_rows(struct ggml_context * ctx, {_T} a);
-{_T} ggml_mul_mat(struct ggml_context * ctx, {_T} a, {_T} b);
-{_T} ggml_ssm_conv(struct ggml_context * ctx, {_T} sx, {_T} c);
-{_T} ggml_ssm_scan(struct ggml_context * ctx, {_T} s, {_T} x, {_T} dt, {_T} A, {_T} B, {_T} C,
-                   {_T} ids, int64_t K);
-{_T} ggml_gated_delta_net(struct ggml_context * ctx, {_T} q, {_T} k, {_T} v, {_T} g, {_T} beta,
-                          {_T} state, int64_t K);
-""" + "".join(f"{_T} ggml_{n}{sfx}(struct ggml_context * ctx, {_T} a);\n"
-              for n in _UNARY for sfx in ("", "_inplace")) \
-    + "".join(f"{_T} ggml_{n}{sfx}(struct ggml_context * ctx, {_T} a, {_T} b);\n"
-              for n in _BINARY for sfx in ("", "_inplace"))
+"""
+
+_DEFAULT_CTYPE = {float: "float", int: "int", bool: "bool", tuple: "int"}
+
+
+def _call_arg_ctypes(d, call: GgmlCall) -> list:
+    """The C types of a GgmlCall's arguments (after ctx), from the op's sources and params."""
+    out = []
+    for name in call.args:
+        if name == "@ne":
+            out += ["int64_t"] * 4
+        elif name in d.srcs:
+            out.append(_T)
+        elif name in d.params:
+            ctype = call.ctypes.get(name, _DEFAULT_CTYPE.get(d.params[name]))
+            if ctype is None:
+                raise TypeError(f"{d.name}: ggml argument '{name}' has no C type (param type {d.params[name]})")
+            out += [ctype] * (4 if d.params[name] is tuple else 1)
+        else:
+            raise TypeError(f"{d.name}: ggml argument '{name}' is neither a source, a param nor '@ne'")
+    return out
+
+
+def cdef_for_ops(ops) -> str:
+    """The declarations of every ggml constructor the ops' GgmlCalls use (and their _inplace
+    variants where the op has an `inplace` param), one per function."""
+    decls = {}
+    for d in ops.values():
+        call = d.ggml
+        if not isinstance(call, GgmlCall):
+            continue
+        if call.override is not None:
+            decls[f"override:{d.name}"] = call.cdef
+            continue
+        args = "".join(f", {t} x{i}" for i, t in enumerate(_call_arg_ctypes(d, call)))
+        for sfx in ("", "_inplace") if "inplace" in d.params else ("",):
+            decls[call.fn + sfx] = f"{_T} ggml_{call.fn}{sfx}(struct ggml_context * ctx{args});\n"
+    return "".join(decls.values())
 
 
 def _load():
@@ -84,7 +93,7 @@ def _load():
         raise ImportError("libggml-python is not installed (pip install libggml-python==0.20.2.post1)")
     libdir = os.path.join(list(spec.submodule_search_locations)[0], "lib64")
     ffi = FFI()
-    ffi.cdef(_CDEF)
+    ffi.cdef(_CDEF_CORE + cdef_for_ops(OPS), override=True)
     base = ffi.dlopen(os.path.join(libdir, "libggml-base.so"), ffi.RTLD_NOW | ffi.RTLD_GLOBAL)
     cpu = ffi.dlopen(os.path.join(libdir, "libggml-cpu.so"))
     return ffi, base, cpu
@@ -156,60 +165,47 @@ _CHECKS = {
 }
 
 
-# -- translation, one entry per op: (ggml ctx, node, src) -> ggml tensor ------------------------
-def _view(ctx, node, src):
-    a = src("a")
-    ne, nb, offset = node.ne, node.nb, node.params["offset"]
-    root_offs = (a.view_offs if a.view_src != ffi.NULL else 0) + offset
-    root = a.view_src if a.view_src != ffi.NULL else a
-    contiguous_size = ne[0] * node.type.size * ne[1] * ne[2] * ne[3]
-    if nb[0] == node.type.size and (contiguous_size == 0 or contiguous_size + root_offs <= lib.ggml_nbytes(root)):
-        return lib.ggml_view_4d(ctx, a, *ne, *nb[1:], offset)
-    # ggml's view check uses the contiguous size, so an overlapping view (windows) would abort:
-    # create it one element wide, then widen it to the real extents and strides
-    t = lib.ggml_view_4d(ctx, a, 1, 1, 1, 1, nb[1], nb[2], nb[3], offset)
-    t.ne[0:4], t.nb[0:4] = list(ne), list(nb)
-    return t
+# -- translation: the op's GgmlCall, interpreted --------------------------------------------------
+class GgmlBuilder:
+    """What an override sees: ``call(fn, *args, inplace=False)`` runs ggml_<fn>[_inplace](ctx,
+    *args); ``lib`` and ``ffi`` for anything else."""
+
+    def __init__(self, ctx):
+        self.ctx, self.lib, self.ffi = ctx, lib, ffi
+
+    def call(self, fn: str, *args, inplace: bool = False):
+        return getattr(lib, f"ggml_{fn}{'_inplace' if inplace else ''}")(self.ctx, *args)
 
 
-def _scale(ctx, node, src):
-    p, sfx = node.params, "_inplace" if node.params["inplace"] else ""
-    if p["b"] == 0.0:
-        return getattr(lib, f"ggml_scale{sfx}")(ctx, src("a"), p["s"])
-    return getattr(lib, f"ggml_scale_bias{sfx}")(ctx, src("a"), p["s"], p["b"])
+def translation_problem(opname: str) -> str | None:
+    """None when the oracle can build op ``opname`` in ggml, else why not."""
+    d = OPS[opname]
+    if isinstance(d.ggml, NotInGgml):
+        return f"{opname} is not in ggml: {d.ggml.reason}"
+    if not isinstance(d.ggml, GgmlCall):
+        return f"{opname} declares no ggml translation (OpDef.ggml)"
+    if d.ggml.override is None and not d.ggml.fn:
+        return f"{opname}: GgmlCall names no function and no override"
+    return None
 
 
-def _fn(name, node):
-    return getattr(lib, f"ggml_{name}{'_inplace' if node.params.get('inplace') else ''}")
-
-
-_TRANSLATE = {
-    "VIEW": _view,
-    "RESHAPE": lambda ctx, n, s: lib.ggml_reshape_4d(ctx, s("a"), *n.ne),
-    "PERMUTE": lambda ctx, n, s: lib.ggml_permute(ctx, s("a"), *n.params["axes"]),
-    "TRANSPOSE": lambda ctx, n, s: lib.ggml_transpose(ctx, s("a")),
-    "CPY": lambda ctx, n, s: (lib.ggml_cpy(ctx, s("a"), s("b")) if "b" in n.srcs
-                              else lib.ggml_cast(ctx, s("a"), n.type.ggml_id)),
-    "CONT": lambda ctx, n, s: lib.ggml_cont_4d(ctx, s("a"), *n.ne),
-    "CONCAT": lambda ctx, n, s: lib.ggml_concat(ctx, s("a"), s("b"), n.params["dim"]),
-    "REPEAT": lambda ctx, n, s: lib.ggml_repeat_4d(ctx, s("a"), *n.ne),
-    "GET_ROWS": lambda ctx, n, s: lib.ggml_get_rows(ctx, s("a"), s("b")),
-    "SET_ROWS": lambda ctx, n, s: lib.ggml_set_rows(ctx, s("a"), s("b"), s("c")),   # a = dst
-    "ARANGE": lambda ctx, n, s: lib.ggml_arange(ctx, n.params["start"], n.params["stop"], n.params["step"]),
-    "SCALE": _scale,
-    "RMS_NORM": lambda ctx, n, s: lib.ggml_rms_norm(ctx, s("a"), n.params["eps"]),
-    "L2_NORM": lambda ctx, n, s: lib.ggml_l2_norm(ctx, s("a"), n.params["eps"]),
-    "SUM_ROWS": lambda ctx, n, s: lib.ggml_sum_rows(ctx, s("a")),
-    "MUL_MAT": lambda ctx, n, s: lib.ggml_mul_mat(ctx, s("a"), s("b")),
-    "SSM_CONV": lambda ctx, n, s: lib.ggml_ssm_conv(ctx, s("sx"), s("c")),
-    "SSM_SCAN": lambda ctx, n, s: lib.ggml_ssm_scan(ctx, *map(s, ("s", "x", "dt", "A", "B", "C", "ids")), n.params["K"]),
-    "GATED_DELTA_NET": lambda ctx, n, s: lib.ggml_gated_delta_net(
-        ctx, *map(s, ("q", "k", "v", "g", "beta", "state")), n.params["K"]),
-}
-for _name in _UNARY:
-    _TRANSLATE[_name.upper()] = lambda ctx, n, s, _name=_name: _fn(_name, n)(ctx, s("a"))
-for _name in _BINARY:
-    _TRANSLATE[_name.upper()] = lambda ctx, n, s, _name=_name: _fn(_name, n)(ctx, s("a"), s("b"))
+def translate(g: GgmlBuilder, node, src):
+    """The ggml tensor for ``node``; ``src(name)`` gives a source's ggml tensor."""
+    d = OPS[node.op]
+    call = d.ggml
+    if call.override is not None:
+        return call.override(g, node, src)
+    args = []
+    for name in call.args:
+        if name == "@ne":
+            args += list(node.ne)
+        elif name in d.srcs:
+            args.append(src(name) if name in node.srcs else ffi.NULL)
+        elif d.params[name] is tuple:
+            args += list(node.params[name])
+        else:
+            args.append(node.params[name])
+    return g.call(call.fn, *args, inplace=bool(node.params.get("inplace")))
 
 
 # -- driving ------------------------------------------------------------------------------------
@@ -240,8 +236,9 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
     for o in built.outs:
         gf.build_forward_expand(o)
     for node in gf.nodes:   # everything ggml would abort on is refused before ggml sees it
-        if node.op not in _TRANSLATE:
-            raise NotImplementedError(f"op {node.op} has no ggml counterpart in the oracle")
+        why = translation_problem(node.op)
+        if why is not None:
+            raise NotImplementedError(why)
         if node.op in _CHECKS:
             _CHECKS[node.op](node, built)
     for leaf in gf.leafs:
@@ -263,9 +260,10 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
             if data.size != leaf.nelements():
                 raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {leaf.nelements()} elements")
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
+        builder = GgmlBuilder(ctx)
         for node in gf.nodes:
             src = lambda name, node=node: g[node.srcs[name]]  # noqa: E731
-            t = g[node] = _TRANSLATE[node.op](ctx, node, src)
+            t = g[node] = translate(builder, node, src)
             _check_same_layout(node, t)
 
         cgraph = lib.ggml_new_graph_custom(ctx, graph_size, False)

@@ -10,8 +10,8 @@ from typing import Callable
 import numpy as np
 
 import minigraph.ops as _ops  # noqa: F401
-from minigraph.registry import OPS
-from minigraph.tensor import Context, Tensor
+from minigraph.registry import OPS, build
+from minigraph.tensor import Context, Tensor, contiguous_strides
 from minigraph.types import DType, f16, f32, i32, i64
 
 import minigraph as mg
@@ -292,42 +292,61 @@ def _(rng):
 # ---------------------------------------------------------------------------------------------
 # elementwise and reductions
 
-_UNARY = {"SILU": mg.silu, "SIGMOID": mg.sigmoid, "SOFTPLUS": mg.softplus, "EXP": mg.exp, "NEG": mg.neg, "SQRT": mg.sqrt}
-for _op, _fn in _UNARY.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, _layout, exact=_op == "NEG", nmse=1e-12)
-        def _(rng, _fn=_fn, _op=_op, _layout=_layout):
+# generic builders: an op declares which one makes its cases (registry.CaseGen, e.g.
+# `cases("unary", data=np.abs)` on SQRT); each builder registers that op's cases here.
+
+def _unary_cases(d, exact=False, data=None):
+    """contig and strided inputs, and the in-place form on an intermediate."""
+    for layout in ("contig", "strided"):
+        @case(d.name, layout, exact=exact, nmse=1e-12)
+        def _(rng, layout=layout):
             b = Built(Context())
-            x = b.input(rng, f32, rshape(rng, 1, 6), _layout)
-            if _op == "SQRT":
-                b.data[x.root()] = np.abs(b.data[x.root()])
-            if _op == "SOFTPLUS":
-                b.data[x.root()] = b.data[x.root()] * np.float32(30)   # cross the x > 20 branch
-            b.out(_fn(x))
+            x = b.input(rng, f32, rshape(rng, 1, 6), layout)
+            if data is not None:
+                b.data[x.root()] = data(b.data[x.root()])
+            b.out(build(d.name, a=x, inplace=False))
             return b
 
-    @case(_op, "inplace", exact=_op == "NEG", nmse=1e-12)
-    def _(rng, _fn=_fn, _op=_op):
+    @case(d.name, "inplace", exact=exact, nmse=1e-12)
+    def _(rng):
         b = Built(Context())
         x = b.leaf(f32, rshape(rng, 1, 6), rng=rng)
-        if _op == "SQRT":
-            b.data[x] = np.abs(b.data[x])
+        if data is not None:
+            b.data[x] = data(b.data[x])
         y = mg.add(x, x)   # an intermediate to work in place on
-        b.out(_fn(y, inplace=True))
+        b.out(build(d.name, a=y, inplace=True))
         return b
 
-_BINARY = {"ADD": mg.add, "SUB": mg.sub, "MUL": mg.mul, "DIV": mg.div}
-for _op, _fn in _BINARY.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, f"broadcast_{_layout}", exact=_op != "DIV", nmse=1e-12)
-        def _(rng, _fn=_fn, _layout=_layout):
+
+def _binary_cases(d, exact=False):
+    """b broadcast over a (each extent of a a multiple of b's), contig and strided."""
+    for layout in ("contig", "strided"):
+        @case(d.name, f"broadcast_{layout}", exact=exact, nmse=1e-12)
+        def _(rng, layout=layout):
             b = Built(Context())
             ne_b = rshape(rng, 1, 3)
             reps = rshape(rng, 1, 3)
-            a = b.input(rng, f32, [n * r for n, r in zip(ne_b, reps)], _layout)
-            bb = b.input(rng, f32, ne_b, _layout)
-            b.out(_fn(a, bb))
+            a = b.input(rng, f32, [n * r for n, r in zip(ne_b, reps)], layout)
+            bb = b.input(rng, f32, ne_b, layout)
+            b.out(build(d.name, a=a, b=bb, inplace=False))
             return b
+
+
+def _row_cases(d, **params):
+    """Row ops over dim 0: rows up to 40 wide, contig and strided."""
+    for layout in ("contig", "strided"):
+        @case(d.name, layout, nmse=1e-12)
+        def _(rng, layout=layout):
+            b = Built(Context())
+            b.out(build(d.name, a=b.input(rng, f32, rshape(rng, 1, 40, 1) + rshape(rng, 1, 4, 3), layout), **params))
+            return b
+
+
+BUILDERS = {"unary": _unary_cases, "binary": _binary_cases, "rows": _row_cases}
+
+for _d in list(OPS.values()):
+    for _gen in _d.case_gens:
+        BUILDERS[_gen.builder](_d, **_gen.options)
 
 
 @case("SCALE", "scale_and_bias", nmse=1e-12)
@@ -362,14 +381,46 @@ def _(rng):
     return b
 
 
-for _op, _fn in {"RMS_NORM": lambda x: mg.rms_norm(x, 1e-6), "L2_NORM": lambda x: mg.l2_norm(x, 1e-6),
-                 "SUM_ROWS": mg.sum_rows}.items():
-    for _layout in ("contig", "strided"):
-        @case(_op, _layout, nmse=1e-12)
-        def _(rng, _fn=_fn, _layout=_layout):
-            b = Built(Context())
-            b.out(_fn(b.input(rng, f32, rshape(rng, 1, 40, 1) + rshape(rng, 1, 4, 3), _layout)))
-            return b
+def _soft_max_input(b, rng, ne, layout):
+    """An input ggml calls contiguous (soft_max requires it) in three layouts: contig; window (a
+    dense view at an offset inside a larger buffer, data on both sides); permuted (a permute view
+    that moves only a unit dim, so it stays dense)."""
+    if layout == "contig":
+        return b.leaf(f32, ne, rng=rng)
+    if layout == "window":
+        n = int(np.prod(ne))
+        base = b.leaf(f32, (n + 7,), rng=rng)
+        nb = contiguous_strides(f32, ne)
+        return mg.view_4d(base, *ne, *nb[1:], 3 * 4)
+    base = b.leaf(f32, (ne[0], 1, ne[1], ne[3]), rng=rng)   # layout == "permuted" (needs ne[2] == 1)
+    return mg.permute(base, 0, 2, 1, 3)
+
+
+def _causal_mask(rng, ne):
+    """Random f32 mask rows with -inf past the diagonal (column 0 always finite)."""
+    m = rng.uniform(-1.0, 1.0, tuple(reversed(ne)))
+    m = np.where(np.abs(m) < 1e-3, 0.5, m)
+    i1, i0 = np.arange(ne[1])[:, None], np.arange(ne[0])[None, :]
+    return np.where(i0 > i1 + ne[0] // 2, -np.inf, m).astype(np.float32)
+
+
+for _layout, _with_mask in (("contig", False), ("contig", True), ("window", True), ("permuted", True)):
+    @case("SOFT_MAX", f"{_layout}{'_mask_broadcast' if _with_mask else ''}", nmse=1e-12)
+    def _(rng, _layout=_layout, _with_mask=_with_mask):
+        b = Built(Context())
+        ne0, ne1 = int(rng.integers(1, 41)), int(rng.integers(1, 6))
+        m2, m3 = (int(v) for v in rshape(rng, 1, 2, 2))
+        r2, r3 = (int(v) for v in rshape(rng, 1, 3, 2))
+        ne = (ne0, ne1, 1 if _layout == "permuted" else m2 * r2, m3 * r3)
+        a = _soft_max_input(b, rng, ne, _layout)
+        mask = None
+        if _with_mask:
+            m_ne = (ne0, ne1 + int(rng.integers(0, 3)), 1 if _layout == "permuted" else m2, m3)
+            mask = _soft_max_input(b, rng, m_ne, "window" if _layout == "window" else "contig")
+            if _layout != "window":   # a window's rows are cut from a 1-D buffer: finite values
+                b.data[mask.root()] = _causal_mask(rng, mask.root().ne)
+        b.out(mg.soft_max_ext(a, mask, float(rng.uniform(0.1, 2.0)), 0.0))
+        return b
 
 
 for _layout in ("contig", "strided"):

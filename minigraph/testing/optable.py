@@ -7,18 +7,33 @@ the core never imports the test layer."""
 from __future__ import annotations
 
 from minigraph import ops as _ops  # noqa: F401  (fills the registry)
-from minigraph.registry import OPS
+from minigraph.registry import OPS, GgmlCall, NotInGgml
 from minigraph.testing.op_cases import CASES
 
 
+def _source(s) -> str:
+    roles = [r for r, on in (("optional", s.optional), ("dest", s.dest), ("inplace", s.inplace)) if on]
+    return s.name + (f" ({', '.join(roles)})" if roles else "")
+
+
+def _ggml(d) -> str:
+    if isinstance(d.ggml, NotInGgml):
+        return f"not in ggml: {d.ggml.reason}"
+    if isinstance(d.ggml, GgmlCall) and d.ggml.fn:
+        return f"`ggml_{d.ggml.fn}`"
+    return "custom" if isinstance(d.ggml, GgmlCall) else "-"
+
+
 def markdown_table() -> str:
-    rows = ["| op | sources (ggml src order) | params | kind | test cases |", "|---|---|---|---|---|"]
+    rows = ["| op | sources (ggml src order) | params | kind | ggml | meta split | test cases |",
+            "|---|---|---|---|---|---|---|"]
     for name in sorted(OPS):
         d = OPS[name]
         params = ", ".join(f"{p}: {t.__name__}" for p, t in d.params.items()) or "-"
         kind = "view" if d.is_view else "compute"
         n = sum(1 for c in CASES if c.op == name)
-        rows.append(f"| `{name}` | {', '.join(d.srcs) or '-'} | {params} | {kind} | {n} |")
+        srcs = ", ".join(_source(s) for s in d.sources) or "-"
+        rows.append(f"| `{name}` | {srcs} | {params} | {kind} | {_ggml(d)} | {d.split or '-'} | {n} |")
     return "\n".join(rows)
 
 
