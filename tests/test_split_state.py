@@ -134,6 +134,19 @@ def test_per_row_ops():
         s.state(mg.rms_norm(x0, 1e-5))
 
 
+def test_soft_max_mask_must_follow_the_split_where_not_broadcast():
+    ctx = mg.Context()
+    x = leaf(ctx, "x", 8, 6, 4)            # rows of 8, 6 tokens, 4 heads
+    head_mask = leaf(ctx, "hm", 8, 6, 4)   # one mask per head
+    shared_mask = leaf(ctx, "sm", 8, 6)    # broadcast over heads
+    s = SplitStates(2, by_name(x=2, hm=2))
+    check(s, mg.soft_max_ext(x, shared_mask, 0.5, 0.0), AXIS_2, (2, 2), "soft_max")
+    check(s, mg.soft_max_ext(x, head_mask, 0.5, 0.0), AXIS_2, (2, 2))
+    s2 = SplitStates(2, by_name(x=2))      # a whole per-head mask would give each device heads 0..1
+    with pytest.raises(mg.OpError, match=r"SOFT_MAX.*mask 'hm'.*must be split like 'x'"):
+        s2.state(mg.soft_max_ext(x, head_mask, 0.5, 0.0))
+
+
 def test_concat_rules():
     ctx = mg.Context()
     a = leaf(ctx, "a", 3, 8, 2)          # split on axis 1

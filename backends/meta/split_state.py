@@ -544,6 +544,23 @@ def _r_per_row(t, srcs, ss, n_dev, assume_sync):
     return _per_row(t, srcs, ss, rule), rule
 
 
+def _r_soft_max(t, srcs, ss, n_dev, assume_sync):
+    # per-row on a; a mask that is not broadcast along a's split axis is indexed with device-local
+    # coordinates, so it must be split exactly like a there (a MIRRORED one would hand each device
+    # the first heads' / rows' mask)
+    rule = "soft_max: per-row on a, mask split like a where it is not broadcast"
+    st = _per_row(t, srcs, ss, rule)
+    if len(srcs) > 1 and srcs[1] is not None:
+        mask, ms = srcs[1], ss[1]
+        if st.is_split and mask.ne[st.axis] > 1:
+            if not ms.equal(st):
+                raise _Fail(rule, f"mask {mask.label} ({ms}) must be split like {srcs[0].label} ({st}) "
+                                  f"along {axis_name(st.axis)}, where it is not broadcast")
+        elif ms.is_split:
+            raise _Fail(rule, f"mask {mask.label} is split ({ms}) but {srcs[0].label} is {st}")
+    return st, rule
+
+
 def _r_bin_bcast(t, srcs, ss, n_dev, assume_sync):
     rule = "binary broadcast"
     return _bin_bcast(t, srcs, ss, rule), rule
@@ -596,7 +613,7 @@ def _r_mirrored(t, srcs, ss, n_dev, assume_sync):
 
 SPLIT_RULES = {
     "generic": _r_generic, "generic_scalar": _r_generic_scalar, "per_row": _r_per_row,
-    "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
+    "soft_max": _r_soft_max, "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
     "cpy": _r_cpy, "view": _r_view, "permute": _r_permute, "mirrored": _r_mirrored,
     "get_rows": _simple("get_rows", _get_rows), "set_rows": _simple("set_rows", _set_rows),
     "ssm_conv": _simple("ssm_conv", _ssm_conv), "gated_delta_net": _simple("gated_delta_net", _gated_delta_net),

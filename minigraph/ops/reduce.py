@@ -66,7 +66,7 @@ def sum_rows(a):
 
 
 @op("SOFT_MAX", srcs=("a", Src("mask", optional=True)), params={"scale": float, "max_bias": float},
-    split="per_row", ggml=GgmlCall("soft_max_ext", ("a", "mask", "scale", "max_bias")))
+    split="soft_max", ggml=GgmlCall("soft_max_ext", ("a", "mask", "scale", "max_bias")))
 def _soft_max_rule(a, scale, max_bias, mask=None):
     name = "SOFT_MAX"
     require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
