@@ -59,6 +59,6 @@ step "tests: tests/test_cuda_backend.py tests/test_ops.py"
 timeout 330 "$PY" -m pytest -q -rs tests/test_cuda_backend.py tests/test_ops.py
 
 step "benchmark: python -m minigraph.backends.cuda.bench"
-timeout 180 "$PY" -m backends.cuda.bench
+timeout 180 "$PY" -m minigraph.backends.cuda.bench
 
 step "done"

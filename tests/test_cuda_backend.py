@@ -29,7 +29,7 @@ import minigraph as mg                                # noqa: E402
 from minigraph.testing.op_cases import CASES                  # noqa: E402
 
 import minigraph.backends.cuda as cuda                          # noqa: E402
-from minigraph.backends.cuda import selftest                    # noqa: E402
+from minigraph.testing import cuda_selftest as selftest                    # noqa: E402
 
 
 def fresh():

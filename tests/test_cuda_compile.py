@@ -24,7 +24,7 @@ from minigraph.testing.op_cases import CASES
 from minigraph.registry import OPS
 
 import minigraph.backends.cuda as cuda
-from minigraph.backends.cuda import selftest
+from minigraph.testing import cuda_selftest as selftest
 from minigraph.backends.cuda.emu import EmuDevice, compiler, kernel_names
 
 CUDA_DIR = os.path.dirname(os.path.abspath(cuda.__file__))
