@@ -99,7 +99,7 @@ class Tensor:
         self._ctx = weakref.ref(ctx) if ctx is not None else None
         self.type = as_type(type)
         self.ne = pad_ne(ne)
-        self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(type, self.ne)
+        self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(self.type, self.ne)
         if view_src is not None and view_src.view_src is not None:
             view_offs += view_src.view_offs
             view_src = view_src.view_src
