@@ -37,8 +37,9 @@ class Split:
 class ScheduledGraph:
     """One schedule of one version of a graph: where every tensor runs and why, the splits, the
     copies between devices, and which sources each node reads instead (a copy on its own
-    device). The graph itself is never changed: nodes keep their srcs, and the replacements are
-    shown to backends only while this schedule plans or computes (minigraph.sources)."""
+    device). The graph itself is never changed: nodes keep their srcs. Backends see the
+    replacements through minigraph.sources.srcs_of while this schedule plans or computes, and,
+    while it is the graph's newest schedule, when a result is read back outside a compute."""
 
     def __init__(self, gf, backends: list, assign: dict, cause: dict):
         self.gf = gf
