@@ -3,12 +3,15 @@
 Each non-view intermediate gets an offset in one compute buffer; a tensor's memory is reused
 once its last consumer (directly or through a view) has run. Views and write-through results
 (cpy, set_rows, in-place ops) alias memory they do not own and get none. Tensors flagged output,
-and nodes no other node consumes, are never overwritten."""
+and nodes no other node consumes, are never overwritten. The plan records which intermediates
+did have their memory handed to a later node: after a compute their bytes are gone, and
+Tensor.numpy() refuses to read them."""
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from .registry import OPS, writes_through
+from .sources import srcs_of
 from .tensor import Tensor
 
 ALIGN = 64
@@ -31,6 +34,8 @@ class Plan:
     tensors: list = field(default_factory=list)   # tensors placed, in node order
     size: int = 0                                  # peak bytes (the compute buffer's size)
     naive_size: int = 0                            # sum of every intermediate's size
+    overwritten: dict = field(default_factory=dict)  # tensor id -> label of the node given its memory
+    outputs: frozenset = frozenset()               # ids of the nodes flagged output when planned
 
     def __repr__(self):
         return f"Plan({len(self.tensors)} tensors, {self.size} bytes, naive {self.naive_size})"
@@ -77,13 +82,41 @@ class _FreeList:
         self.blocks = merged
 
 
+class _Released:
+    """Byte ranges of freed intermediates not yet handed on (disjoint, sorted by offset): an
+    allocation that overlaps one marks that tensor overwritten."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.tensors: list[Tensor] = []
+
+    def add(self, off: int, t: Tensor):
+        if t.nbytes() == 0:
+            return
+        i = bisect_right(self.starts, off)
+        self.starts.insert(i, off)
+        self.ends.insert(i, off + t.nbytes())
+        self.tensors.insert(i, t)
+
+    def take(self, off: int, size: int, by: Tensor, overwritten: dict):
+        i = bisect_right(self.ends, off)          # the first range that ends after off
+        while i < len(self.starts) and self.starts[i] < off + size:
+            overwritten[self.tensors[i].id] = by.label
+            del self.starts[i], self.ends[i], self.tensors[i]
+
+
+def output_ids(nodes) -> frozenset:
+    return frozenset(n.id for n in nodes if n.is_output)
+
+
 def plan_graph(nodes: list[Tensor], guard: int = 0, keep=()) -> Plan:
     """Assign offsets to every node that needs memory. ``guard`` bytes follow each tensor
     (tests fill them with a pattern to catch out-of-bounds writes)."""
     last_use: dict[int, int] = {}
     consumed: set[int] = set()
     for i, n in enumerate(nodes):
-        for s in list(n.srcs.values()) + ([n.view_src] if n.view_src is not None else []):
+        for s in list(srcs_of(n).values()) + ([n.view_src] if n.view_src is not None else []):
             r = s.root()
             last_use[r.id] = i
             consumed.add(s.id)
@@ -91,18 +124,21 @@ def plan_graph(nodes: list[Tensor], guard: int = 0, keep=()) -> Plan:
     # a view or write-through result that must stay readable keeps its root alive
     keep |= {n.root().id for n in nodes if n.id in keep}
 
-    plan = Plan()
+    plan = Plan(outputs=output_ids(nodes))
     free = _FreeList(guard)
+    released = _Released()
     frees_at: dict[int, list[Tensor]] = {}
     for i, n in enumerate(nodes):
         if needs_memory(n):
             size = n.nbytes()
             plan.naive_size += _align(size + guard)
-            plan.offsets[n.id] = free.alloc(size)
+            off = plan.offsets[n.id] = free.alloc(size)
+            released.take(off, size, n, plan.overwritten)
             plan.tensors.append(n)
             if n.id not in keep:
                 frees_at.setdefault(last_use.get(n.id, i), []).append(n)
         for t in frees_at.pop(i, []):
             free.free(plan.offsets[t.id], t.nbytes())
+            released.add(plan.offsets[t.id], t)
         plan.size = max(plan.size, free.top)
     return plan

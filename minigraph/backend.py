@@ -6,10 +6,11 @@ import re
 
 import numpy as np
 
-from .alloc import plan_graph
+from .alloc import output_ids, plan_graph
 from .errors import OpError
 from .registry import OPS, writes_through
-from .tensor import Context, Tensor, bind_epoch
+from .sources import reading
+from .tensor import Context, Tensor, bind_epoch, output_epoch
 
 GUARD_BYTE = 0xA5
 _buffer_ids = itertools.count()
@@ -70,20 +71,28 @@ class Backend:
         raise NotImplementedError
 
     def prepare(self, gf, nodes: list[Tensor], keep=()):
-        """Plan and bind memory for the intermediates of ``nodes`` (once per graph); tensors in
-        ``keep`` (read later by another device) are never reused."""
+        """Plan and bind memory for the intermediates of ``nodes`` once per ``gf`` (a Graph, or
+        the ScheduledGraph whose splits on this device ``nodes`` are: whatever owns ``.cache``,
+        and with it the compute buffer); tensors in ``keep`` (read later by another device) are
+        never reused. Flagging another node output since the plan was made plans again."""
         key = ("alloc", self.name)
         entry = gf.cache.get(key)
+        if entry is not None and entry[3] != output_epoch():
+            if entry[0].outputs != output_ids(nodes):
+                entry = None                  # a new output must not be overwritten: plan again
+            else:
+                entry[3] = output_epoch()
         if entry is None:
             plan = plan_graph(nodes, guard=self.guard, keep=keep)
             buf = self.alloc_buffer(plan.size, "compute")
             if self.guard:
                 self.fill_guards(buf, plan)
-            entry = gf.cache[key] = [plan, buf, -1]
-        plan, buf, bound_at = entry
+            entry = gf.cache[key] = [plan, buf, -1, output_epoch()]
+        plan, buf, bound_at = entry[:3]
         if bound_at != bind_epoch():          # some other graph re-bound memory since: bind again
             for t in plan.tensors:
                 t.buffer, t.offs = buf, plan.offsets[t.id]
+                t.overwritten_by = plan.overwritten.get(t.id)   # numpy() refuses these after compute
             entry[2] = bind_epoch()
         return plan
 
@@ -104,8 +113,9 @@ class Backend:
                 if not self.supports_op(n):
                     raise OpError(f"{n.op} {n.label}: not supported by backend {self.name}")
             gf.cache[checked] = True
-        plan = self.prepare(gf, gf.nodes)
-        self.compute_nodes(gf.nodes)
+        with reading({}):                    # one device: every node reads its own srcs
+            plan = self.prepare(gf, gf.nodes)
+            self.compute_nodes(gf.nodes)
         self.last_compute_buffer_size = plan.size
         return plan.size
 

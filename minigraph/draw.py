@@ -14,8 +14,9 @@ def _colour(device, devices):
     return PALETTE[devices.index(device) % len(PALETTE)]
 
 
-def to_dot(gf) -> str:
-    g = gf.to_networkx()
+def to_dot(gf, sched=None) -> str:
+    """DOT text of gf; ``sched`` as in Graph.to_networkx (default: gf's newest live schedule)."""
+    g = gf.to_networkx(sched)
     devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
     lines = ["digraph minigraph {", "  rankdir=TB; node [shape=box, style=filled, fontname=monospace];"]
     for nid, d in g.nodes(data=True):
@@ -36,10 +37,11 @@ def to_dot(gf) -> str:
     return "\n".join(lines)
 
 
-def draw(gf, path: str) -> list[str]:
+def draw(gf, path: str, sched=None) -> list[str]:
     """Write ``path`` as DOT (``.dot``) or PNG (``.png``; the DOT is written beside it).
-    Returns the files written."""
-    dot = to_dot(gf)
+    ``sched`` (a Scheduler or ScheduledGraph) colours nodes by device; by default gf's newest
+    live schedule does. Returns the files written."""
+    dot = to_dot(gf, sched)
     if not path.endswith(".png"):
         with open(path, "w") as f:
             f.write(dot)
@@ -58,7 +60,7 @@ def draw(gf, path: str) -> list[str]:
     except ImportError:
         raise RuntimeError("PNG needs Graphviz's dot or matplotlib (pip install 'minigraph[viz]'); "
                            f"the DOT file was written to {dot_path}") from None
-    g = gf.to_networkx()
+    g = gf.to_networkx(sched)
     devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
     layers = _layers(g)
     by_layer: dict = {}

@@ -1,5 +1,8 @@
 """The lazy graph: nodes in dependency order (ggml's build_forward_expand), leafs, a text dump
-and a networkx view."""
+and a networkx view.
+
+A graph owns its nodes: they are in no context, so once the graph and the caller's references
+are dropped, the nodes and the compute memory planned for them are freed."""
 from __future__ import annotations
 
 from .registry import OPS, writes_through
@@ -11,12 +14,19 @@ class Graph:
         self.nodes: list[Tensor] = []
         self.leafs: list[Tensor] = []
         self._seen: set[int] = set()
-        # per-backend state kept by backends and the scheduler (allocation, plans)
+        # bumped whenever build_forward_expand adds something: a schedule made for another
+        # version no longer covers every node (the scheduler then schedules again)
+        self.version = 0
+        # per-backend state kept by backends computing this graph on one device (memory plan)
         self.cache: dict = {}
 
     def build_forward_expand(self, tensor: Tensor) -> "Graph":
         """Append tensor and everything it depends on that is not in the graph yet, sources
         first in src order (iteratively, so deep chains do not hit the recursion limit)."""
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"build_forward_expand: tensor must be a minigraph Tensor, got "
+                            f"{type(tensor).__module__}.{type(tensor).__qualname__}")
+        n_before = len(self.nodes) + len(self.leafs)
         stack = [(tensor, False)]
         while stack:
             t, expanded = stack.pop()
@@ -33,7 +43,9 @@ class Graph:
             for s in reversed(deps):
                 if s.id not in self._seen:
                     stack.append((s, False))
-        self.cache.clear()
+        if len(self.nodes) + len(self.leafs) != n_before:
+            self.version += 1
+            self.cache.clear()
         return self
 
     def __len__(self):
@@ -52,28 +64,33 @@ class Graph:
 
     __str__ = dump
 
-    def to_networkx(self):
-        """A DiGraph with one vertex per tensor (keyed by tensor id) and edges source -> node."""
+    def to_networkx(self, sched=None):
+        """A DiGraph with one vertex per tensor (keyed by tensor id) and edges source -> node.
+
+        ``sched`` (a ScheduledGraph or a Scheduler) adds each tensor's device and cause and
+        marks the cross-device copies; by default the newest schedule of this graph that is
+        still alive and current is used."""
         import networkx as nx
+        from .sched import schedule_of
+        sched = schedule_of(self, sched)
         g = nx.DiGraph()
-        sched = getattr(self, "sched", None)
-        original = {id(c): s for s, c in ((sched.copy_src[c.id], c) for c in sched.copies.values())} if sched else {}
         for t in self.leafs + self.nodes:
             attrs = node_attrs(t)
             if sched is not None:
-                b = sched.assign.get(t.id, -1)
-                attrs["device"] = sched.backends[b].name if b >= 0 else None
+                be = sched.backend_of(t)
+                attrs["device"] = be.name if be is not None else None
                 attrs["cause"] = sched.cause.get(t.id, "")
             g.add_node(t.id, **attrs)
         for n in self.nodes:
+            read = sched.srcs_of(n) if sched is not None else n.srcs
             for role, s in n.srcs.items():
-                src = original.get(id(s))
-                if src is None:
+                c = read[role]
+                if c is s:
                     g.add_edge(s.id, n.id, role=role)
                 else:   # a cross-device copy: drawn as its own edge kind
-                    g.add_edge(src.id, n.id, role=role, copy=s.name,
-                               src_device=sched.backend_of(src).name, dst_device=sched.backend_of(n).name,
-                               nbytes=src.nbytes())
+                    g.add_edge(s.id, n.id, role=role, copy=c.name,
+                               src_device=sched.backend_of(s).name, dst_device=sched.backend_of(n).name,
+                               nbytes=s.nbytes())
             if n.view_src is not None and not g.has_edge(n.view_src.id, n.id):
                 g.add_edge(n.view_src.id, n.id, role="view_src")
         return g

@@ -224,8 +224,8 @@ def build(name: str, ctx=None, /, **kwargs) -> Tensor:
     if kwargs:
         fail(name, f"unexpected arguments {sorted(kwargs)}")
     out = d.rule(**srcs, **params)
-    if ctx is None:
-        ctx = next((t.ctx for t in srcs.values() if t.ctx is not None), None)
+    # no context unless one is given: a node never joins its sources' (weights', caches') context;
+    # the graphs, nodes and callers that hold it keep it alive
     return Tensor(ctx, out.type, out.ne, out.nb, op=name, srcs=srcs, params=params,
                   view_src=out.view_of, view_offs=out.offs)
 

@@ -59,24 +59,30 @@ class PlacementReport:
         raise KeyError(name)
 
     @classmethod
-    def from_scheduler(cls, sched) -> "PlacementReport":
+    def from_schedule(cls, sg) -> "PlacementReport":
+        """The report of one schedule (a minigraph.sched.ScheduledGraph)."""
         from .sched import is_view_op
-        gf = sched.gf
-        dev = lambda t: sched.backends[sched.assign[t.id]].name if sched.assign.get(t.id, -1) >= 0 else "-"
+        gf = sg.gf
+        dev = lambda t: sg.backend_of(t).name if sg.backend_of(t) is not None else "-"
         label = lambda t: t.name or t.label
-        r = cls(devices=[b.name for b in sched.backends])
-        r.nodes = [NodeInfo(label(n), n.op, dev(n), sched.cause.get(n.id, ""), is_view_op(n)) for n in gf.nodes]
-        r.leafs = [NodeInfo(label(t), "NONE", dev(t), sched.cause.get(t.id, ""), False) for t in gf.leafs]
-        r.splits = [SplitInfo(i, sched.backends[sp.backend].name,
+        r = cls(devices=[b.name for b in sg.backends])
+        r.nodes = [NodeInfo(label(n), n.op, dev(n), sg.cause.get(n.id, ""), is_view_op(n)) for n in gf.nodes]
+        r.leafs = [NodeInfo(label(t), "NONE", dev(t), sg.cause.get(t.id, ""), False) for t in gf.leafs]
+        r.splits = [SplitInfo(i, sg.backends[sp.backend].name,
                               [label(n) for n in sp.nodes if not is_view_op(n)], [label(s) for s in sp.inputs])
-                    for i, sp in enumerate(sched.splits)]
-        for (sid, b), c in sched.copies.items():
-            s = sched.copy_src[c.id]
-            users = sched.copy_users.get(c.id, [])
-            r.copies.append(CopyInfo(label(s), c.name, dev(s), sched.backends[b].name, s.nbytes(),
+                    for i, sp in enumerate(sg.splits)]
+        for (sid, b), c in sg.copies.items():
+            s = sg.copy_src[c.id]
+            users = sg.copy_users.get(c.id, [])
+            r.copies.append(CopyInfo(label(s), c.name, dev(s), sg.backends[b].name, s.nbytes(),
                                      min(users) if users else -1, users))
         r.copies.sort(key=lambda c: (c.first_split, c.tensor))
         return r
+
+    @classmethod
+    def from_scheduler(cls, sched) -> "PlacementReport":
+        """The report of a Scheduler's newest schedule."""
+        return sched.placement_report()
 
     def to_dict(self) -> dict:
         d = asdict(self)

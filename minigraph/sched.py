@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 from .backend import Backend
 from .errors import OpError
 from .registry import OPS
 from .report import PlacementReport
+from .sources import reading, stand
 from .tensor import Tensor
 
 log = logging.getLogger("minigraph.sched")
@@ -32,6 +34,68 @@ class Split:
     nodes: list = field(default_factory=list)      # compute order (views included)
 
 
+class ScheduledGraph:
+    """One schedule of one version of a graph: where every tensor runs and why, the splits, the
+    copies between devices, and which sources each node reads instead (a copy on its own
+    device). The graph itself is never changed: nodes keep their srcs. Backends see the
+    replacements through minigraph.sources.srcs_of while this schedule plans or computes, and,
+    while it is the graph's newest schedule, when a result is read back outside a compute."""
+
+    def __init__(self, gf, backends: list, assign: dict, cause: dict):
+        self.gf = gf
+        self.version = gf.version
+        self.backends = backends
+        self.assign = assign                  # tensor id -> backend index
+        self.cause = cause                    # tensor id -> ggml's cause code
+        self.splits: list[Split] = []
+        self.copies: dict[tuple[int, int], Tensor] = {}   # (tensor id, backend) -> copy
+        self.copy_src: dict[int, Tensor] = {}             # copy id -> original
+        self.copy_users: dict[int, list[int]] = {}        # copy id -> split indices that read it
+        self.replaced: dict[int, dict] = {}               # node id -> its srcs, copies in place
+        self.replacing: list[Tensor] = []                 # the nodes listed in replaced
+        self.cache: dict = {}                 # the backends' memory plans for these splits
+        self.allocated = False
+
+    @property
+    def is_current(self) -> bool:
+        """False once nodes were added to the graph after it was scheduled."""
+        return self.gf.version == self.version
+
+    def backend_of(self, t: Tensor) -> Backend | None:
+        i = self.assign.get(t.id, -1)
+        return self.backends[i] if i >= 0 else None
+
+    def srcs_of(self, node: Tensor) -> dict:
+        """The sources ``node`` reads under this schedule."""
+        return self.replaced.get(node.id, node.srcs)
+
+    def reading(self):
+        """A block in which backends see this schedule's copies as the nodes' sources."""
+        return reading(self.replaced)
+
+    def placement_report(self) -> PlacementReport:
+        return PlacementReport.from_schedule(self)
+
+
+# the newest schedule of each graph, so that drawings and reports of a graph find it; weak both
+# ways: neither the graph nor the schedule is kept alive by this table
+_latest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def schedule_of(gf, sched=None) -> ScheduledGraph | None:
+    """The schedule to describe gf with: ``sched`` (a ScheduledGraph or a Scheduler) if given,
+    else gf's newest schedule that is still alive and current."""
+    if sched is not None:
+        if isinstance(sched, Scheduler):
+            sched = sched.scheduled
+        if not isinstance(sched, ScheduledGraph) or sched.gf is not gf:
+            raise ValueError("sched must be a Scheduler or ScheduledGraph that scheduled this graph")
+        return sched
+    ref = _latest.get(gf)
+    found = ref() if ref is not None else None
+    return found if found is not None and found.is_current else None
+
+
 class Scheduler:
     def __init__(self, backends: list[Backend]):
         if not backends:
@@ -44,15 +108,15 @@ class Scheduler:
 
     # -- state ------------------------------------------------------------------------------
     def reset(self):
-        self.assign: dict[int, int] = {}      # tensor id -> backend index
+        self.assign: dict[int, int] = {}      # tensor id -> backend index (while scheduling)
         self.cause: dict[int, str] = {}
         self.pins: dict[int, int] = {}
-        self.gf = None
+        self.scheduled: ScheduledGraph | None = None
 
     def set_tensor_backend(self, t: Tensor, be: Backend):
         """Pin t to a backend (cause 'usr'); passes 1, 2 and 4 respect it."""
         self.pins[t.id] = self._index(be)
-        self.gf = None
+        self.scheduled = None
 
     def _index(self, be: Backend) -> int:
         for i, b in enumerate(self.backends):
@@ -63,6 +127,19 @@ class Scheduler:
     def backend_of(self, t: Tensor) -> Backend | None:
         i = self.assign.get(t.id, -1)
         return self.backends[i] if i >= 0 else None
+
+    # the newest schedule's parts, for callers that read them off the scheduler
+    gf = property(lambda self: self.scheduled.gf if self.scheduled is not None else None)
+    splits = property(lambda self: self._part("splits"))
+    copies = property(lambda self: self._part("copies"))
+    copy_src = property(lambda self: self._part("copy_src"))
+    copy_users = property(lambda self: self._part("copy_users"))
+
+    def _part(self, name: str):
+        if self.scheduled is None:
+            raise OpError(f"scheduler: no graph has been scheduled yet, so it has no {name} "
+                          f"(call split_graph, alloc_graph or graph_compute)")
+        return getattr(self.scheduled, name)
 
     @property
     def last(self) -> int:
@@ -184,12 +261,8 @@ class Scheduler:
             if self.assign.get(n.id, -1) < 0:
                 raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it")
 
-    def _pass5(self, gf):
-        nodes = gf.nodes
-        self.splits: list[Split] = []
-        self.copies: dict[tuple[int, int], Tensor] = {}   # (tensor id, backend) -> copy
-        self.copy_src: dict[int, Tensor] = {}             # copy id -> original
-        self.copy_users: dict[int, list[int]] = {}        # copy id -> split indices that read it
+    def _pass5(self, sg: ScheduledGraph):
+        nodes = sg.gf.nodes
         first = next((i for i, n in enumerate(nodes) if not is_view_op(n)), 0)
         cur = self.assign[nodes[first].id] if nodes else self.last
         split = Split(cur, 0)
@@ -208,39 +281,38 @@ class Scheduler:
                         break
             if cut:
                 split.i_end = i
-                self.splits.append(split)
+                sg.splits.append(split)
                 split = Split(b, i)
                 cur = b
-            for slot, s in list(n.srcs.items()):
+            for slot, s in n.srcs.items():
                 sb = self.assign.get(s.id, -1)
                 if sb < 0:
                     raise OpError(f"{n.op} {n.label}: source {s.label} was never placed")
                 if sb != cur and not self._buffer_supported(s, cur):
                     key = (s.id, cur)
-                    if key not in self.copies:
+                    if key not in sg.copies:
                         c = Tensor(None, s.type, s.ne, s.nb, name=f"{self.backends[cur].name}#{s.name or s.label}#0")
-                        self.copies[key] = c
-                        self.copy_src[c.id] = s
-                        self.cause[c.id] = "4.cpy"
+                        sg.copies[key] = c
+                        sg.copy_src[c.id] = s
+                        sg.cause[c.id] = "4.cpy"
                         split.inputs.append(s)
-                    c = self.copies[key]
-                    users = self.copy_users.setdefault(c.id, [])
-                    if len(self.splits) not in users:
-                        users.append(len(self.splits))
-                    gf.redirects.append((n, slot, s))
-                    n.srcs[slot] = c                  # redirect, as ggml does
+                    c = sg.copies[key]
+                    users = sg.copy_users.setdefault(c.id, [])
+                    if len(sg.splits) not in users:
+                        users.append(len(sg.splits))
+                    # the node reads the copy (ggml rewrites src[j]; here the schedule says so)
+                    if n.id not in sg.replaced:
+                        sg.replaced[n.id] = dict(n.srcs)
+                        sg.replacing.append(n)
+                    sg.replaced[n.id][slot] = c
             split.nodes.append(n)
         split.i_end = len(nodes)
-        self.splits.append(split)
+        sg.splits.append(split)
 
     # -- public -----------------------------------------------------------------------------
-    def split_graph(self, gf):
+    def split_graph(self, gf) -> ScheduledGraph:
         """Place every tensor and cut the graph into splits (ggml_backend_sched_split_graph).
-        The graph's sources are redirected to the copies: a scheduled graph belongs to this
-        scheduler, as in ggml."""
-        for node, slot, original in getattr(gf, "redirects", []):   # undo an earlier split
-            node.srcs[slot] = original
-        gf.redirects = []
+        Returns the schedule, which this scheduler keeps as its newest; the graph is unchanged."""
         self.assign, self.cause = {}, {}
         for t in gf.leafs + gf.nodes:
             self._pass1(t)
@@ -250,25 +322,39 @@ class Scheduler:
         for leaf in gf.leafs:
             if self.assign.get(leaf.id, -1) < 0:
                 raise OpError(f"leaf {leaf.label} has no device: no node consumes it directly; mark it input")
-        self._pass5(gf)
-        self.gf = gf
-        gf.sched = self
+        sg = ScheduledGraph(gf, self.backends, self.assign, self.cause)
+        self._pass5(sg)
+        self.scheduled = sg
+        prev = _latest.get(gf)
+        prev = prev() if prev is not None else None
+        stand({n: sg.replaced[n.id] for n in sg.replacing}, withdraw=prev.replacing if prev is not None else ())
+        _latest[gf] = weakref.ref(sg)
         self._debug_print()
+        return sg
 
-    def alloc_graph(self, gf):
-        """Split (if needed) and give memory to everything: unallocated leaves (graph inputs) and
-        copies in a scheduler buffer per device, intermediates through each device's planner."""
-        if self.gf is not gf:
-            self.split_graph(gf)
-            gf.cache.clear()
-        if gf.cache.get("sched_alloc") is self:
-            return
+    def _schedule_for(self, gf) -> ScheduledGraph:
+        """The newest schedule if it is gf's and current, else a new one: nodes added to the
+        graph after it was scheduled are never skipped."""
+        sg = self.scheduled
+        if sg is not None and sg.gf is gf and sg.is_current:
+            return sg
+        if sg is not None and sg.gf is gf:
+            log.debug("graph changed since it was scheduled (version %d -> %d): scheduling again",
+                      sg.version, gf.version)
+        return self.split_graph(gf)
+
+    def alloc_graph(self, gf) -> ScheduledGraph:
+        """Schedule (if needed) and give memory to everything: unallocated leaves (graph inputs)
+        and copies in a scheduler buffer per device, intermediates through each device's planner
+        (the plans belong to the schedule)."""
+        sg = self._schedule_for(gf)
+        if sg.allocated:
+            return sg
         per_dev_leaves: dict[int, list[Tensor]] = {}
         for t in gf.leafs:
             if t.buffer is None:
-                per_dev_leaves.setdefault(self.assign[t.id], []).append(t)
-        for c in self.copies.values():
-            b = next(k[1] for k, v in self.copies.items() if v is c)
+                per_dev_leaves.setdefault(sg.assign[t.id], []).append(t)
+        for (_, b), c in sg.copies.items():
             per_dev_leaves.setdefault(b, []).append(c)
         for b, ts in per_dev_leaves.items():
             total, offs = 0, []
@@ -279,30 +365,35 @@ class Scheduler:
             for t, o in zip(ts, offs):
                 t.buffer, t.offs = buf, o
         # tensors read by another device are kept alive on their own device
-        crossing = [s.root() for s in self.copy_src.values()]
-        for b, be in enumerate(self.backends):
-            nodes = [n for sp in self.splits if sp.backend == b for n in sp.nodes]
-            if nodes:
-                be.prepare(gf, nodes, keep=crossing)
-        gf.cache["sched_alloc"] = self
+        crossing = [s.root() for s in sg.copy_src.values()]
+        with sg.reading():
+            for b, be in enumerate(self.backends):
+                nodes = [n for sp in sg.splits if sp.backend == b for n in sp.nodes]
+                if nodes:
+                    be.prepare(sg, nodes, keep=crossing)
+        sg.allocated = True
+        return sg
 
-    def graph_compute(self, gf):
-        """Run the splits in order: copy each split's inputs in, then compute its nodes."""
-        self.alloc_graph(gf)
-        for i, sp in enumerate(self.splits):
-            dst = self.backends[sp.backend]
-            for s in sp.inputs:
-                c = self.copies[(s.id, sp.backend)]
-                src_buf, src_offs = s.storage()
-                dst_buf, dst_offs = c.storage()
-                data = src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes())
-                dst.set_bytes(dst_buf, dst_offs, data)
-            dst.compute_nodes(sp.nodes)
+    def graph_compute(self, gf) -> ScheduledGraph:
+        """Run the splits in order: copy each split's inputs in, then compute its nodes. A graph
+        that grew since it was scheduled is scheduled (and allocated) again first."""
+        sg = self.alloc_graph(gf)
+        with sg.reading():
+            for sp in sg.splits:
+                dst = self.backends[sp.backend]
+                for s in sp.inputs:
+                    c = sg.copies[(s.id, sp.backend)]
+                    src_buf, src_offs = s.storage()
+                    dst_buf, dst_offs = c.storage()
+                    data = src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes())
+                    dst.set_bytes(dst_buf, dst_offs, data)
+                dst.compute_nodes(sp.nodes)
+        return sg
 
     def placement_report(self) -> PlacementReport:
-        if self.gf is None:
+        if self.scheduled is None:
             raise OpError("placement_report: no graph has been scheduled yet (call graph_compute or split_graph)")
-        return PlacementReport.from_scheduler(self)
+        return self.scheduled.placement_report()
 
     def _debug_print(self):
         level = int(os.environ.get("MINIGRAPH_SCHED_DEBUG", "0") or 0)

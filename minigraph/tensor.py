@@ -2,25 +2,60 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
 from .errors import OpError
-from .types import DType
+from .types import ALL_TYPES, DType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import Buffer
 
 MAX_DIMS = 4
 _ids = itertools.count()
-_bind_epoch = [0]   # bumped whenever any tensor's memory binding changes
+_bind_epoch = [0]     # bumped whenever any tensor's memory binding changes
+_output_epoch = [0]   # bumped whenever a tensor is flagged output
 
 
 def bind_epoch() -> int:
     """A counter that changes whenever a tensor is given other memory: plans built from
     bindings stay valid while it does not move (a constant-time check on the hot path)."""
     return _bind_epoch[0]
+
+
+def output_epoch() -> int:
+    """A counter that changes whenever a tensor is flagged output: a memory plan made before
+    checks whether its graph's outputs changed (they must not be reused)."""
+    return _output_epoch[0]
+
+
+_TYPE_NAMES = {t.name: t for t in ALL_TYPES}
+_TYPE_HELP = ", ".join(f"mg.{t.name}" for t in ALL_TYPES)
+
+
+def as_type(value, arg: str = "type") -> DType:
+    """A minigraph type from a DType, a ggml type name ('f32', 'F16', ...) or a NumPy dtype
+    (np.float32, 'float32' is not a ggml name and is refused); anything else names ``arg``."""
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str):
+        t = _TYPE_NAMES.get(value.strip().lower())
+        if t is None:
+            raise ValueError(f"{arg}: unknown type name {value!r}; valid types are {_TYPE_HELP} "
+                             f"(or their names {', '.join(repr(n) for n in _TYPE_NAMES)})")
+        return t
+    try:
+        np_dtype = np.dtype(value) if value is not None else None   # np.dtype(None) is float64
+    except TypeError:
+        np_dtype = None
+    for t in ALL_TYPES:
+        if np_dtype is not None and t.np_dtype == np_dtype:
+            return t
+    what = f"NumPy dtype {np_dtype}" if np_dtype is not None else f"{type(value).__name__} {value!r}"
+    raise TypeError(f"{arg}: {what} is not a minigraph type; valid types are {_TYPE_HELP} "
+                    f"(or NumPy float32, float16, int32, int64)")
 
 
 def contiguous_strides(dtype: DType, ne: Sequence[int]) -> tuple[int, int, int, int]:
@@ -31,6 +66,13 @@ def contiguous_strides(dtype: DType, ne: Sequence[int]) -> tuple[int, int, int, 
 
 
 def pad_ne(ne: Iterable[int]) -> tuple[int, int, int, int]:
+    try:
+        ne = list(ne)
+    except TypeError:
+        raise OpError(f"ne must be a sequence of 1 to 4 integers, got {type(ne).__name__} {ne!r}") from None
+    bad = [x for x in ne if isinstance(x, bool) or not isinstance(x, (int, np.integer))]
+    if bad:
+        raise OpError(f"ne must hold integers, got {bad[0]!r} ({type(bad[0]).__name__}) in ne={ne}")
     ne = [int(x) for x in ne]
     if not 1 <= len(ne) <= MAX_DIMS:
         raise OpError(f"a tensor has 1 to 4 dims, got ne={ne}")
@@ -44,16 +86,20 @@ class Tensor:
 
     ``view_src`` is always the root tensor that owns memory (views of views collapse) and
     ``view_offs`` the byte offset into it. ``srcs`` maps ggml's argument names to tensors.
+
+    Nodes belong to no context: a node lives while a graph, another node or the caller holds it.
+    A context holds the leaves made through it (weights, caches, inputs) and the tensor refers
+    back to it weakly, so the two never form a cycle that only the garbage collector frees.
     """
 
     def __init__(self, ctx: "Context | None", type: DType, ne, nb=None, *, op: str = "NONE",
                  srcs: dict | None = None, params: dict | None = None,
                  view_src: "Tensor | None" = None, view_offs: int = 0, name: str = ""):
         self.id = next(_ids)
-        self.ctx = ctx
-        self.type = type
+        self._ctx = weakref.ref(ctx) if ctx is not None else None
+        self.type = as_type(type)
         self.ne = pad_ne(ne)
-        self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(type, self.ne)
+        self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(self.type, self.ne)
         if view_src is not None and view_src.view_src is not None:
             view_offs += view_src.view_offs
             view_src = view_src.view_src
@@ -70,8 +116,13 @@ class Tensor:
         if ctx is not None:
             ctx.tensors.append(self)
 
+    @property
+    def ctx(self) -> "Context | None":
+        """The context this tensor was made in (None for nodes, or once that context is gone)."""
+        return self._ctx() if self._ctx is not None else None
+
     # memory binding: (buffer, offs) of a tensor that owns memory; setting either to a new value
-    # bumps the bind epoch
+    # bumps the bind epoch and forgets that the memory was handed on (see overwritten_by)
     @property
     def buffer(self):
         return self._buffer
@@ -80,6 +131,7 @@ class Tensor:
     def buffer(self, b):
         if b is not self.__dict__.get("_buffer", 0):
             _bind_epoch[0] += 1
+            self.overwritten_by = None
         self._buffer = b
 
     @property
@@ -90,7 +142,12 @@ class Tensor:
     def offs(self, o: int):
         if o != self.__dict__.get("_offs"):
             _bind_epoch[0] += 1
+            self.overwritten_by = None
         self._offs = o
+
+    # overwritten_by: the label of the later node that the memory planner gave this intermediate's
+    # memory to once its last reader had run (set when a plan binds it), else None. numpy() then
+    # refuses to read it: the bytes there belong to that node after a compute.
 
     # -- naming and flags -------------------------------------------------------------------
     def set_name(self, name: str) -> "Tensor":
@@ -102,7 +159,10 @@ class Tensor:
         return self
 
     def set_output(self) -> "Tensor":
-        self.flags.add("output")
+        """Keep this tensor readable after a compute: the planner never reuses its memory."""
+        if "output" not in self.flags:
+            self.flags.add("output")
+            _output_epoch[0] += 1
         return self
 
     def set_weight(self) -> "Tensor":
@@ -216,8 +276,15 @@ class Tensor:
         return self
 
     def numpy(self) -> np.ndarray:
-        """A copy of the tensor's contents in NumPy order (shape == self.shape)."""
+        """A copy of the tensor's contents in NumPy order (shape == self.shape).
+
+        An intermediate whose memory the planner handed to a later node cannot be read after a
+        compute: flag it with set_output() before computing to keep it."""
         buf, _ = self.storage()
+        root = self.root()
+        if root.overwritten_by is not None:
+            raise OpError(f"tensor {self.label}: its memory was reused by {root.overwritten_by} after its "
+                          f"last reader ran; call set_output() on {root.label} before computing to keep it")
         return buf.backend.read_tensor(self).reshape(self.shape)
 
     def __repr__(self) -> str:
@@ -247,6 +314,7 @@ class Context:
         self.name = name
         self.tensors: list[Tensor] = []
 
+    # type: mg.f32 etc., a ggml type name ('f32') or a NumPy dtype (np.float32)
     def new_tensor(self, type: DType, ne) -> Tensor:
         return Tensor(self, type, ne)
 

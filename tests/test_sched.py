@@ -173,3 +173,98 @@ def test_sched_debug_env_prints_splits():
                          env={**os.environ, "MINIGRAPH_SCHED_DEBUG": "2"})
     assert out.returncode == 0, out.stderr
     assert "## SPLIT #0: cpu:1 # 1 inputs" in out.stderr and "1.wgt0" in out.stderr
+
+
+# -- a schedule is an object of its own: the graph is never patched ------------------------------
+
+def silu_graph(be):
+    ctx = mg.Context()
+    a = ctx.new_tensor_1d(mg.f32, 4).set_name("a")
+    dst = ctx.new_tensor_1d(mg.f32, 4).set_name("dst")
+    mg.alloc_ctx_tensors(ctx, be, usage="any")
+    a.set(np.array([-1, 0, 1, 2], np.float32))
+    dst.set(np.zeros(4, np.float32))
+    y = mg.silu(a).set_name("y")
+    return ctx, a, dst, y, mg.Graph().build_forward_expand(y)
+
+
+def silu_ref(x):
+    return x / (1 + np.exp(-x))
+
+
+def test_nodes_added_after_scheduling_are_computed(devs):
+    _, a, dst, y, gf = silu_graph(devs[0])
+    sched = mg.Scheduler(list(devs))
+    first = sched.split_graph(gf)
+    sched.graph_compute(gf)
+    gf.build_forward_expand(mg.cpy(y, dst))       # the same graph grows after it was split
+    assert not first.is_current
+    second = sched.graph_compute(gf)              # scheduled again, not skipped
+    assert second is not first and second.is_current and sched.scheduled is second
+    np.testing.assert_allclose(dst.numpy(), silu_ref(a.numpy()), rtol=1e-6)
+    assert [n.op for sp in second.splits for n in sp.nodes] == ["SILU", "CPY"]
+
+
+def test_scheduling_leaves_the_graph_and_its_srcs_untouched(devs):
+    net = Net()
+    gf, (w1, w0, inp), leaves, out, _ = chain(net)
+    mg.alloc_ctx_tensors(w1, devs[0])
+    mg.alloc_ctx_tensors(w0, devs[1])
+    attrs = dict(vars(gf))
+    srcs = {n.id: dict(n.srcs) for n in gf.nodes}
+    sched = mg.Scheduler(list(devs))
+    sg = sched.alloc_graph(gf)
+    net.fill(leaves)
+    sched.graph_compute(gf)
+    assert sg.copies, "the chain crosses devices"
+    assert set(vars(gf)) == set(attrs) and not hasattr(gf, "sched") and not hasattr(gf, "redirects")
+    assert {n.id: n.srcs for n in gf.nodes} == srcs
+    redirected = [n for n in gf.nodes if sg.srcs_of(n) is not n.srcs]
+    assert {n.name for n in redirected} == {"a", "m"}
+    for n in redirected:       # the schedule's view: the copy on the node's own device
+        read = [c for c, s in zip(sg.srcs_of(n).values(), n.srcs.values()) if c is not s]
+        assert read and all(c.name.startswith(sg.backend_of(n).name + "#") for c in read)
+
+
+def test_a_scheduled_graph_computes_again_on_one_device(devs):
+    """A graph once scheduled over two devices computes on one device from its own sources."""
+    def build_and_compute(net, x_data, sched_first):
+        gf, ctxs, leaves, out, _ = chain(net)
+        for c, d in zip(ctxs, (devs[0], devs[1], devs[1])):
+            mg.alloc_ctx_tensors(c, d)
+        net.fill(leaves)
+        if sched_first:
+            mg.Scheduler(list(devs)).graph_compute(gf)
+        # move W1 to the host so that the whole graph can run there
+        w1 = next(t for t in leaves if t.name == "W1")
+        host = mg.Context()
+        w1_host = host.new_tensor(mg.f32, w1.ne)
+        mg.alloc_ctx_tensors(host, devs[1])
+        w1.buffer, w1.offs = w1_host.buffer, w1_host.offs
+        w1.set(net.data["W1"])
+        next(t for t in leaves if t.name == "x").set(x_data)
+        devs[1].graph_compute(gf)
+        return out.numpy()
+
+    x2 = np.random.default_rng(5).standard_normal((T, D)).astype(np.float32)
+    np.testing.assert_array_equal(build_and_compute(Net(), x2, True), build_and_compute(Net(), x2, False))
+
+
+def test_drawing_uses_the_schedule_given_or_the_graphs_newest(devs):
+    sched, gf, _, _ = run_scheduled(devs, lambda n: chain(n))
+    explicit = gf.to_networkx(sched.scheduled)
+    assert {d["device"] for _, d in explicit.nodes(data=True)} == {"cpu:0", "cpu:1"}
+    assert gf.to_networkx(sched).edges(data=True) is not None
+    gf.build_forward_expand(mg.scale(gf.nodes[-1], 2.0))     # the schedule is stale now
+    assert all(d.get("device") is None for _, d in gf.to_networkx().nodes(data=True))
+    other = mg.Graph()
+    with pytest.raises(ValueError, match="scheduled this graph"):
+        other.to_networkx(sched)
+
+
+def test_placement_report_before_any_schedule_says_so(devs):
+    sched = mg.Scheduler(list(devs))
+    with pytest.raises(mg.OpError, match="no graph has been scheduled"):
+        sched.placement_report()
+    with pytest.raises(mg.OpError, match="no graph has been scheduled yet, so it has no splits"):
+        sched.splits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -1213,3 +1214,107 @@ def test_recompute_after_a_compute_that_raised():
     exp[0, 0, 1], exp[0, 0, 3] = db[0, 0, 0], db[0, 0, 1]
     np.testing.assert_array_equal(got(dst), exp)
     np.testing.assert_array_equal(got(out), exp * np.float32(2))
+
+
+# ----------------------------------------------------------------------------------------------
+# reading intermediates after a compute; bad input to the core
+# ----------------------------------------------------------------------------------------------
+def scale_chain(be):
+    ctx = mg.Context()
+    a = ctx.new_tensor_2d(mg.f32, 8, 4)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(np.ones((4, 8), np.float32))
+    h1 = mg.scale(a, 2.0)
+    h2 = mg.silu(h1)
+    h3 = mg.scale(h2, 3.0)
+    out = mg.sum_rows(mg.exp(h3))
+    return ctx, h1, h2, h3, out, mg.Graph().build_forward_expand(out)
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+def test_reading_an_intermediate_whose_memory_was_reused_raises(device):
+    be = mg.backend(device)
+    _, h1, h2, h3, out, gf = scale_chain(be)
+    be.graph_compute(gf)
+    with pytest.raises(mg.OpError, match=r"memory was reused by .* call set_output\(\) on"):
+        h1.numpy()
+    with pytest.raises(mg.OpError, match="memory was reused"):
+        mg.view_1d(h1, 4, 0).numpy()                     # a view reads the same bytes
+    np.testing.assert_allclose(out.numpy(), np.full((4, 1), 8 * np.exp(3 * 2 / (1 + np.exp(-2)))), rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+def test_set_output_keeps_an_intermediate_even_after_a_first_compute(device):
+    be = mg.backend(device)
+    _, h1, h2, h3, out, gf = scale_chain(be)
+    be.graph_compute(gf)
+    h1.set_output()                                       # flagged late: the graph plans again
+    be.graph_compute(gf)
+    np.testing.assert_array_equal(h1.numpy(), np.full((4, 8), 2.0, np.float32))
+    _, g1, _, _, _, gf2 = scale_chain(be)
+    g1.set_output()
+    be.graph_compute(gf2)
+    np.testing.assert_array_equal(g1.numpy(), np.full((4, 8), 2.0, np.float32))
+
+
+def test_plan_marks_exactly_the_intermediates_given_away():
+    ctx = mg.Context()
+    x = ctx.new_tensor_2d(mg.f32, 64, 16)
+    y, _ = chain(ctx, x, 12)
+    gf = mg.Graph().build_forward_expand(y)
+    plan = plan_graph(gf.nodes)
+    for t in plan.tensors:
+        o0, o1 = plan.offsets[t.id], plan.offsets[t.id] + t.nbytes()
+        later = plan.tensors[plan.tensors.index(t) + 1:]
+        overlapped = [u for u in later if plan.offsets[u.id] < o1 and o0 < plan.offsets[u.id] + u.nbytes()]
+        if overlapped:
+            assert plan.overwritten[t.id] == overlapped[0].label
+        else:
+            assert t.id not in plan.overwritten
+    assert plan.overwritten and y.id not in plan.overwritten
+
+
+@pytest.mark.parametrize("given", ["f32", "F32", mg.f32, np.float32, np.dtype("float32")])
+def test_tensor_types_by_ggml_name_or_numpy_dtype(given):
+    t = mg.Context().new_tensor_2d(given, 4, 3)
+    assert t.type is mg.f32 and t.nb == (4, 16, 48, 48)
+
+
+@pytest.mark.parametrize("given, error, text", [
+    ("q4_0", ValueError, "type: unknown type name 'q4_0'; valid types are mg.f32, mg.f16, mg.i32, mg.i64"),
+    (np.float64, TypeError, "type: NumPy dtype float64 is not a minigraph type; valid types are mg.f32"),
+    (None, TypeError, "type: NoneType None is not a minigraph type"),
+    (4, TypeError, "type: int 4 is not a minigraph type"),
+])
+def test_bad_tensor_types_name_the_argument_and_the_valid_types(given, error, text):
+    with pytest.raises(error) as e:
+        mg.Context().new_tensor_2d(given, 4, 3)
+    assert str(e.value).startswith(text) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("ne, text", [((4.5, 3), "ne must hold integers, got 4.5 (float)"),
+                                      ((True, 3), "ne must hold integers, got True (bool)"),
+                                      ((), "a tensor has 1 to 4 dims"), ((-1,), "negative extent")])
+def test_bad_extents_raise_one_line_op_errors(ne, text):
+    with pytest.raises(mg.OpError, match=re.escape(text)):
+        mg.Context().new_tensor(mg.f32, ne)
+
+
+def test_build_forward_expand_names_a_non_tensor_argument():
+    with pytest.raises(TypeError, match=r"^build_forward_expand: tensor must be a minigraph Tensor, got numpy.ndarray$"):
+        mg.Graph().build_forward_expand(np.zeros(3))
+
+
+def test_nodes_join_no_context_and_the_graph_version_counts_growth():
+    ctx = mg.Context()
+    w = ctx.new_tensor_1d(mg.f32, 4)
+    y = mg.silu(w)
+    assert y.ctx is None and ctx.tensors == [w]
+    gf = mg.Graph()
+    assert gf.version == 0
+    gf.build_forward_expand(y)
+    assert gf.version == 1
+    gf.build_forward_expand(y)                            # nothing new: same version
+    assert gf.version == 1
+    gf.build_forward_expand(mg.exp(y))
+    assert gf.version == 2

@@ -21,6 +21,7 @@ if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
+from minigraph.sources import srcs_of
 from minigraph.tensor import bind_epoch
 from minigraph.types import f16, f32, i32, i64
 
@@ -161,7 +162,7 @@ class CpuBackend(HostBackend):
             names = OPS[node.op].srcs
             rec.n_src = len(names)
             for j, name in enumerate(names):
-                s = node.srcs.get(name)
+                s = srcs_of(node).get(name)
                 if s is not None:
                     self._fill(rec.src[j], s)
                     roots[s.root().id] = s.root()
@@ -183,7 +184,7 @@ class CpuBackend(HostBackend):
     def _raise(self, plan: CpuPlan, err):
         node = plan.compute[err.node] if 0 <= err.node < len(plan.compute) else None
         if err.code == lib.MG_ERR_INDEX and node is not None:
-            idx = node.srcs[OPS[node.op].srcs[err.src]]
+            idx = srcs_of(node)[OPS[node.op].srcs[err.src]]
             raise OpError(f"{node.op} {node.label}: index {err.value} in {idx.label} "
                           f"is out of range [0, {err.limit})")
         what = f"{node.op} {node.label}" if node is not None else f"node record {err.node}"

@@ -24,6 +24,7 @@ from minigraph.errors import OpError
 from minigraph.ops.elementwise import BINARY, UNARY
 from minigraph.ops.index import check_indices
 from minigraph.registry import OPS
+from minigraph.sources import srcs_of
 from minigraph.tensor import contiguous_strides
 from minigraph.types import f16, f32, i32, i64
 
@@ -326,7 +327,7 @@ class CudaBackend(Backend):
         if wt:
             dbuf, doffs = node.storage()
             dend = doffs + node.nbytes()
-        for name, s in node.srcs.items():
+        for name, s in srcs_of(node).items():
             o = self._opnd(s)
             d = OPS[node.op]
             # a destination the kernel only writes (cpy's b, set_rows's a) needs no staging, nor
@@ -416,9 +417,9 @@ def _op_repeat(be, node, ops):
 def _op_get_rows(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
     if not be._check_indices(node, b, a.ne[1]):
-        idx = be.read_tensor(node.srcs["b"])[0]
+        idx = be.read_tensor(srcs_of(node)["b"])[0]
         check_indices("GET_ROWS", node, "b", idx, a.ne[1])
-        raise OpError(f"GET_ROWS {node.label}: an index in {node.srcs['b'].label} is out of range [0, {a.ne[1]})")
+        raise OpError(f"GET_ROWS {node.label}: an index in {srcs_of(node)['b'].label} is out of range [0, {a.ne[1]})")
     kernel = "get_rows_f16_f32" if a.type == f16 else "get_rows_b4"
     be._flat(kernel, d.n, divs(d.ne) + [a.p()] + a.strides() + [b.p()] + b.strides() + [d.p()] + d.strides())
 
@@ -427,7 +428,7 @@ def _op_get_rows(be, node, ops):
 def _op_set_rows(be, node, ops):
     b, c, d = ops["b"], ops["c"], ops["dst"]
     if not be._check_indices(node, c, d.ne[1]):
-        ct = node.srcs["c"]
+        ct = srcs_of(node)["c"]
         idx = np.tile(be.read_tensor(ct)[0], (b.ne[3] // ct.ne[2], b.ne[2] // ct.ne[1], 1))
         check_indices("SET_ROWS", node, "c", idx, d.ne[1])
         raise OpError(f"SET_ROWS {node.label}: an index in {ct.label} is out of range [0, {d.ne[1]})")
@@ -523,7 +524,7 @@ def _op_ssm_scan(be, node, ops):
     ds, hd, nh, nt, ns, ng = s.ne[0], x.ne[0], x.ne[1], x.ne[2], x.ne[3], B.ne[1]
     K = node.params["K"]
     if not be._check_indices(node, ids, s.ne[3]):
-        check_indices("SSM_SCAN", node, "ids", be.read_tensor(node.srcs["ids"]).reshape(-1), s.ne[3])
+        check_indices("SSM_SCAN", node, "ids", be.read_tensor(srcs_of(node)["ids"]).reshape(-1), s.ne[3])
         raise OpError(f"SSM_SCAN {node.label}: an index in ids is out of range [0, {s.ne[3]})")
     _zero_tail(be, d, x.n + min(nt, K) * ds * hd * nh * ns)
     nrows = ns * nh * hd

@@ -51,7 +51,7 @@ def copy_bandwidth(be, timer, nbytes) -> tuple[float, float]:
 
 def graph(be, outs, data: dict):
     """Allocate the contexts' leaves on be, fill them, run once; returns the compute nodes."""
-    ctxs = {t.ctx for t in data} | {o.ctx for o in outs}
+    ctxs = {t.ctx for t in data}
     for c in ctxs:
         mg.alloc_ctx_tensors(c, be)
     for t, arr in data.items():

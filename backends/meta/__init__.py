@@ -30,6 +30,7 @@ from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node, regi
 from minigraph.errors import OpError
 from minigraph.backends.meta.split_state import (MIRRORED, PARTIAL, SplitState, SplitStates, device_ne_nb,
                                    device_view_offset, even_shares, format_states, states_table)
+from minigraph.sources import srcs_of
 from minigraph.tensor import Tensor
 
 __all__ = ["MetaBackend", "split_by_name", "even_shares", "recipe_for"]
@@ -122,7 +123,7 @@ class MetaBackend(Backend):
         ne, nb = device_ne_nb(t, st, j)
         srcs = {}
         if t.op != "NONE":
-            for k, s in t.srcs.items():
+            for k, s in srcs_of(t).items():
                 srcs[k] = self._src_for(t, st, k, s, j, memo)
         params = dict(t.params)
         if "ne" in params:
@@ -270,7 +271,7 @@ class MetaBackend(Backend):
 
     @staticmethod
     def _signature(nodes) -> tuple:
-        return tuple((n.id, tuple(s.id for s in n.srcs.values()), id(n.root().buffer), n.root().offs)
+        return tuple((n.id, tuple(s.id for s in srcs_of(n).values()), id(n.root().buffer), n.root().offs)
                      for n in nodes)
 
     def expand(self, nodes) -> Expansion:

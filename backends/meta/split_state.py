@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 from minigraph.errors import OpError
 from minigraph.registry import OPS
+from minigraph.sources import srcs_of
 from minigraph.tensor import MAX_DIMS, Tensor
 
 AXIS_0, AXIS_1, AXIS_2, AXIS_3 = 0, 1, 2, 3
@@ -190,7 +191,8 @@ def _src_list(t: Tensor) -> list:
     """Sources in ggml's src[] order (None where absent)."""
     if t.op == "NONE":
         return []
-    return [t.srcs.get(name) for name in OPS[t.op].srcs]
+    srcs = srcs_of(t)
+    return [srcs.get(name) for name in OPS[t.op].srcs]
 
 
 def _sig(t: Tensor, srcs) -> tuple:

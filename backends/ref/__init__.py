@@ -9,6 +9,7 @@ import numpy as np
 
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.registry import OPS
+from minigraph.sources import srcs_of
 
 
 class RefBackend(HostBackend):
@@ -22,7 +23,7 @@ class RefBackend(HostBackend):
         for node in nodes:
             if not is_compute_node(node):
                 continue
-            arrays = {k: self.view(s) for k, s in node.srcs.items()}
+            arrays = {k: self.view(s) for k, s in srcs_of(node).items()}
             result = OPS[node.op].reference(node, **arrays)   # computed whole before any write
             dst = self.view(node)
             np.copyto(dst, np.asarray(result).reshape(dst.shape), casting="unsafe")
