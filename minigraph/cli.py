@@ -174,7 +174,7 @@ def _placement(model, devices, args, strategy):
         dst = n.view_src
         if dst is None or not dst.name.startswith("cache_r_l"):
             continue
-        order = n.srcs.get("c")
+        order = sched.scheduled.srcs_of(n).get("c")   # the copy it reads, under this schedule
         info = {"layer": dst.name, "store_device": sched.backend_of(n).name}
         if order is None:
             info.update(slot_order=None, order_device=None, copied=False)

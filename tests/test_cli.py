@@ -55,6 +55,11 @@ def test_placement_compare_agrees_with_the_api():
     assert s["per-layer"]["slot_order_copies"] == 0
     assert s["shared-first-layer"]["slot_order_copies"] == 2    # one per conv layer on cpu:0
     assert s["host-input"]["slot_order_copies"] == 1            # one per other device
+    # the per-layer view agrees: a layer whose store reads a slot order from another device says so
+    for strategy, v in s.items():
+        copied = [l for l in v["layers"] if l["copied"]]
+        assert all(l["order_device"] != l["store_device"] for l in copied)
+        assert bool(copied) == (v["slot_order_copies"] > 0), strategy
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import minigraph as mg
     from slot_order_placement import schedule_one_ubatch
