@@ -67,7 +67,11 @@ class Backend:
     def supports_op(self, node: Tensor) -> bool:
         raise NotImplementedError
 
-    def compute_nodes(self, nodes: list[Tensor]):
+    def compute_nodes(self, nodes: list[Tensor], cache: dict | None = None):
+        """Run ``nodes`` in order. ``cache`` is the owner's per-graph dict (a Graph's or a
+        ScheduledGraph's ``.cache``): what a backend derives from the node list (plans, records)
+        goes there, so it lives exactly as long as the graph. Without one, a backend may keep a
+        small bounded cache of its own."""
         raise NotImplementedError
 
     def prepare(self, gf, nodes: list[Tensor], keep=()):
@@ -115,7 +119,7 @@ class Backend:
             gf.cache[checked] = True
         with reading({}):                    # one device: every node reads its own srcs
             plan = self.prepare(gf, gf.nodes)
-            self.compute_nodes(gf.nodes)
+            self.compute_nodes(gf.nodes, gf.cache)
         self.last_compute_buffer_size = plan.size
         return plan.size
 

@@ -387,7 +387,7 @@ class Scheduler:
                     dst_buf, dst_offs = c.storage()
                     data = src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes())
                     dst.set_bytes(dst_buf, dst_offs, data)
-                dst.compute_nodes(sp.nodes)
+                dst.compute_nodes(sp.nodes, sg.cache)
         return sg
 
     def placement_report(self) -> PlacementReport:

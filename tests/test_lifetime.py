@@ -14,7 +14,7 @@ from minigraph.models.runner import Runner
 from minigraph.models.zoo import make_model
 
 N_REBUILDS = 1000
-WARM_UP = 100          # the CPU backend keeps plans of up to 32 recent node lists
+WARM_UP = 100          # settle allocator pools and first-use caches
 RSS_SLACK_MB = 8.0     # allocator noise; a leaking build grows by tens of MB over 900 rebuilds
 
 
@@ -100,8 +100,20 @@ def test_plain_op_graph_rebuilds_stay_flat(device, cpus):
     assert ctx.tensors == [w, x]
 
 
-def test_dropping_a_graph_frees_its_nodes_and_compute_memory_at_once():
-    be = type(mg.backend("ref"))()        # a device of its own: no other graph shares it
+def _fresh_device(kind: str):
+    """A device of its own, so that no other test's graph shares it."""
+    if kind == "ref":
+        return type(mg.backend("ref"))()
+    if kind == "cpu":
+        return type(mg.backend("cpu"))(11)
+    from minigraph.backends.meta import MetaBackend
+    return MetaBackend([type(mg.backend("cpu"))(12), type(mg.backend("cpu"))(13)])
+
+
+@pytest.mark.parametrize("kind", ["ref", "cpu", "meta"])
+def test_dropping_a_graph_frees_its_nodes_and_compute_memory_at_once(kind):
+    # the CPU plan and the meta expansion live in the graph's cache, not in the device
+    be = _fresh_device(kind)
     ctx = mg.Context()
     x = ctx.new_tensor_1d(mg.f32, 16)
     mg.alloc_ctx_tensors(ctx, be)

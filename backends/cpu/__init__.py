@@ -190,7 +190,18 @@ class CpuBackend(HostBackend):
         what = f"{node.op} {node.label}" if node is not None else f"node record {err.node}"
         raise OpError(f"{what}: backend {self.name} failed (code {err.code}, value {err.value})")
 
-    def get_plan(self, nodes) -> CpuPlan:
+    def get_plan(self, nodes, cache: dict | None = None) -> CpuPlan:
+        """The plan of ``nodes``: from the owner's per-graph cache when given (the plan then dies
+        with the graph), else from a small LRU of this backend's own (direct callers)."""
+        if cache is not None:
+            key = ("cpu_plan", self.name, id(nodes), len(nodes))
+            plan = cache.get(key)
+            if plan is not None and plan.nodes is nodes and (
+                    plan.epoch == bind_epoch() or plan.sig == self._signature(plan.roots)):
+                plan.epoch = bind_epoch()
+                return plan
+            plan = cache[key] = self.build_plan(nodes)
+            return plan
         key = (id(nodes), len(nodes))
         plan = self._plans.get(key)
         if plan is not None and plan.nodes is nodes and (
@@ -204,8 +215,8 @@ class CpuBackend(HostBackend):
             self._plans.popitem(last=False)
         return plan
 
-    def compute_nodes(self, nodes):
-        self.run_plan(self.get_plan(nodes))
+    def compute_nodes(self, nodes, cache=None):
+        self.run_plan(self.get_plan(nodes, cache))
 
 
 def _factory(idx: int) -> CpuBackend:

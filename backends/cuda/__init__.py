@@ -295,7 +295,7 @@ class CudaBackend(Backend):
             return node.srcs["v"].ne[0] <= MAX_STATE_DIM
         return True
 
-    def compute_nodes(self, nodes):
+    def compute_nodes(self, nodes, cache=None):
         with self.dev.context():
             for node in nodes:
                 if not is_compute_node(node):

@@ -267,6 +267,9 @@ class MetaBackend(Backend):
                 bufs.setdefault(t.buffer.id, []).append(weakref.ref(t))
         for bid, refs in bufs.items():
             self._kept[bid] = refs
+        # entries of dropped graphs hold only dead references: forget them so the table stays small
+        for bid in [b for b, refs in self._kept.items() if all(r() is None for r in refs)]:
+            del self._kept[bid]
         return plan
 
     @staticmethod
@@ -274,11 +277,13 @@ class MetaBackend(Backend):
         return tuple((n.id, tuple(s.id for s in srcs_of(n).values()), id(n.root().buffer), n.root().offs)
                      for n in nodes)
 
-    def expand(self, nodes) -> Expansion:
-        """One simple node list per device and subgraph (cut after every PARTIAL node)."""
-        key = id(nodes)
+    def expand(self, nodes, cache: dict | None = None) -> Expansion:
+        """One simple node list per device and subgraph (cut after every PARTIAL node), kept in
+        the owner's cache when there is one (it then dies with the graph)."""
+        store = self._expansions if cache is None else cache
+        key = id(nodes) if cache is None else ("meta_expansion", self.name, id(nodes))
         sig = self._signature(nodes)
-        exp = self._expansions.get(key)
+        exp = store.get(key)
         if exp is not None and exp.nodes is nodes and exp.sig == sig:
             return exp
         memo: dict = {}
@@ -302,18 +307,18 @@ class MetaBackend(Backend):
         if not any(subgraphs[-1].lists) and len(subgraphs) > 1:
             subgraphs.pop()
         exp = Expansion(nodes, sig, subgraphs, memo)
-        self._expansions[key] = exp
-        while len(self._expansions) > 64:
+        store[key] = exp
+        while cache is None and len(self._expansions) > 64:
             self._expansions.pop(next(iter(self._expansions)))
         return exp
 
-    def compute_nodes(self, nodes):
-        exp = self.expand(nodes)
+    def compute_nodes(self, nodes, cache=None):
+        exp = self.expand(nodes, cache)
         self.last_allreduces = []
         for sub in exp.subgraphs:
             for dev, lst in zip(self.devices, sub.lists):
                 if lst:
-                    dev.compute_nodes(lst)
+                    dev.compute_nodes(lst, cache)
             if sub.reduce is not None:
                 self._all_reduce(sub)
 

@@ -19,7 +19,7 @@ class RefBackend(HostBackend):
         d = OPS[node.op]
         return d.is_view or d.reference is not None
 
-    def compute_nodes(self, nodes):
+    def compute_nodes(self, nodes, cache=None):
         for node in nodes:
             if not is_compute_node(node):
                 continue
