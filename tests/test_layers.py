@@ -15,9 +15,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORE_LIMIT = 3000
 LIBRARY = ("minigraph", "backends", "models")
-# still asserting internal invariants; owned by the memory work, which replaces them: drop the
-# entry once models/memory.py raises instead
-ASSERT_EXEMPT = {"models/memory.py"}
 
 
 def _lint_layers():
@@ -92,8 +89,6 @@ def test_library_code_raises_instead_of_asserting():
     for folder in LIBRARY:
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in ASSERT_EXEMPT:
-                continue
             found += [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
                       if isinstance(n, ast.Assert)]
     assert not found, ("assert in library code (stripped by python -O): raise ValueError / mg.OpError "
