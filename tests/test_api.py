@@ -43,7 +43,7 @@ def test_help_lists_the_op_functions():
 @pytest.mark.parametrize("name", sorted(public_functions()))
 def test_op_function_documents_shape_and_example(name):
     doc = public_functions()[name].__doc__ or ""
-    shape = re.search(r"^Shape \(ne order\): (.+)$", doc, re.M)
+    shape = re.search(r"^Shape \(ne order\): (.+?)\nBuilds ", doc, re.M | re.S)   # the rule may wrap
     assert shape and "->" in shape.group(1) and "[" in shape.group(1), \
         f"mg.{name}'s docstring needs its shape rule in ne order ('Shape (ne order): ... -> [...]')"
     assert ">>>" in doc or "e.g." in doc, f"mg.{name}'s docstring needs an example"

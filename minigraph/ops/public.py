@@ -8,12 +8,14 @@ declaration), and a runnable example. Every piece is written once: the README's 
 the same `OpDef.shape`, and the tests run every example as a doctest."""
 from __future__ import annotations
 
+import inspect
 import textwrap
 
 from ..registry import OPS, OpDef
 
 # the line every example starts with, so that `help(mg.x)` shows a snippet one can paste
 EXAMPLE_SETUP = ">>> import minigraph as mg; ctx = mg.Context()"
+WIDTH = 96          # the shape rule is wrapped to this width (help() indents it by 4 more)
 
 
 def source_roles(d: OpDef) -> str:
@@ -36,8 +38,9 @@ def _role_notes(d: OpDef) -> list[str]:
 def compose_doc(summary: str, d: OpDef, example: str, shape: str | None = None) -> str:
     """The full docstring of a public function that builds op ``d``."""
     params = ", ".join(f"{p}: {t.__name__}" for p, t in d.params.items()) or "none"
-    lines = [textwrap.dedent(summary or "").strip(), "",
-             f"Shape (ne order): {shape or d.shape}",
+    lines = [inspect.cleandoc(summary or ""), "",
+             textwrap.fill(f"Shape (ne order): {shape or d.shape}", WIDTH, subsequent_indent="    ",
+                           break_on_hyphens=False),
              f"Builds {d.name}: sources {source_roles(d)} (ggml's src order); params {params}."]
     lines += _role_notes(d)
     lines += ["", "Example:", "    " + EXAMPLE_SETUP]
