@@ -1,4 +1,4 @@
-"""Run seed 000's conv-state store and print which window landed in which rollback slot.
+"""Run the conv-state store (models/conv_state.py) and print which window landed in which rollback slot.
 
     python examples/conv_state_store.py [--device cpu|ref] [--n 5] [--n-cols 3] [--n-rs-seq 2]
 
@@ -71,7 +71,8 @@ def main(argv=None):
                 if expect is not None and what != expect:
                     mark, ok = f"  MISMATCH (expected {expect})", False
                 print(f"  slot {j} ({j} tokens back) seq {q}: row {j * mem + head + q}: {what}{mark}")
-    print("\nall slots as REFERENCE §4.3 predicts" if ok else "\nMISMATCH against REFERENCE §4.3")
+    print("\nall slots as predicted (slot j = the n_cols columns ending j tokens before the end)" if ok
+          else "\nMISMATCH: a slot does not hold the n_cols columns ending j tokens before the end")
     return 0 if ok else 1
 
 

@@ -3,9 +3,9 @@ copied between the devices, and a drawing of the graph coloured by device.
 
     python examples/slot_order_placement.py [--model toy] [--png placement.png]
 
-per-layer (seed 000) builds the order next to every set_rows: no copies. shared-first-layer
+per-layer (llama.cpp's conv-state store refactor) builds the order next to every set_rows: no copies. shared-first-layer
 builds one on the first conv layer's device: every layer elsewhere copies its tail view.
-host-input (seed 001) fills one input on the host: each other device copies it once."""
+host-input fills one input on the host: each other device copies it once."""
 from __future__ import annotations
 
 import argparse

@@ -5,7 +5,8 @@ An `OpDef` carries, for one op:
     destination the node writes through into; the one an `inplace` variant writes into),
   * a typed param schema that `build` enforces strictly (`check_param`), and from which the
     C backends derive their param slots (`c_float_params`, `c_int_params`),
-  * the shape rule (the only validator) and the NumPy reference,
+  * the shape rule (the only validator) and the NumPy reference, and the rule in words (`shape`,
+    ne order), which the public functions' docstrings and the README's op table show,
   * the meta backend's split-state rule, by name (`split`; the rule functions live in
     minigraph.backends.meta.split_state, the core imports no backend),
   * how real ggml builds it (`GgmlCall`, or `NotInGgml` with the reason), read by the oracle,
@@ -94,6 +95,7 @@ class OpDef:
     split: str | None = None            # the meta backend's split rule, by name
     ggml: GgmlCall | NotInGgml | None = None
     case_gens: tuple[CaseGen, ...] = ()
+    shape: str = ""                     # the shape rule in words, ne order: "a: [K, M, ..] -> [M, ..]"
 
     def source(self, name: str) -> Src:
         return next(s for s in self.sources if s.name == name)
@@ -130,9 +132,10 @@ OPS: dict[str, OpDef] = {}
 
 
 def op(name: str, srcs=(), params: dict | None = None, *, is_view: bool = False,
-       split: str | None = None, ggml: GgmlCall | NotInGgml | None = None, cases=()):
+       split: str | None = None, ggml: GgmlCall | NotInGgml | None = None, cases=(), shape: str = ""):
     """Decorator that registers a shape rule under ``name`` with the op's declaration.
-    ``srcs`` entries are source names or `Src` (for roles); ``cases`` one `CaseGen` or several."""
+    ``srcs`` entries are source names or `Src` (for roles); ``cases`` one `CaseGen` or several;
+    ``shape`` the rule in words, in ne order (shown by docstrings and the README)."""
     sources = tuple(s if isinstance(s, Src) else Src(s) for s in srcs)
     params = dict(params or {})
     for p, t in params.items():
@@ -146,7 +149,7 @@ def op(name: str, srcs=(), params: dict | None = None, *, is_view: bool = False,
         if name in OPS:
             raise RuntimeError(f"op {name} registered twice")
         OPS[name] = OpDef(name, tuple(s.name for s in sources), params, rule, is_view=is_view,
-                          sources=sources, split=split, ggml=ggml, case_gens=gens)
+                          sources=sources, split=split, ggml=ggml, case_gens=gens, shape=shape)
         return rule
     return deco
 

@@ -2,7 +2,7 @@
 
 A `Batch` is what a user decodes: tokens, their positions, the sequences each token belongs to
 (a token may belong to several sequences: a shared prompt) and which tokens produce an output.
-`BatchAllocr` validates one batch and cuts it into `Ubatch`es (REFERENCE §5):
+`BatchAllocr` validates one batch and cuts it into `Ubatch`es, as llama.cpp's llama_batch_allocr does:
 
 * `split_simple(n)`  - the next n tokens in batch order (equal_seqs=False, one "sequence set" per token);
 * `split_equal(n, sequential, n_keep_tail)` - the same number of tokens from each of several
@@ -109,7 +109,7 @@ class Batch:
 @dataclass
 class Ubatch:
     """llama_ubatch. Inside an equal split the order is seq-major: token s*n_seq_tokens + t is
-    token t of sequence set s (REFERENCE §5.1). `idxs` are the tokens' indices in the batch."""
+    token t of sequence set s. `idxs` are the tokens' indices in the batch."""
     equal_seqs: bool
     n_tokens: int
     n_seq_tokens: int
@@ -307,7 +307,7 @@ class BatchAllocr:
         return self.ubatch_add(idxs, len(idxs), False)
 
     def split_equal(self, n_ubatch: int, sequential: bool = False, n_keep_tail: int = 0) -> Ubatch | None:
-        """REFERENCE §5.2. Steps:
+        """llama.cpp's split_equal. Steps:
         1. sequential with coupled sequences is an error;
         2. pick disjoint sequence sets from the unused tokens in batch order (sequential: each
            set's first seq id = previous + 1), at most n_ubatch of them;

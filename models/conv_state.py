@@ -1,7 +1,8 @@
-"""The conv-state store of seed 000 ("graph: build the conv slot order in each conv layer").
+"""The conv-state store, as llama.cpp's conv-state store refactor writes it ("graph: build the
+conv slot order in each conv layer").
 
 This is the one place that writes conv history into the recurrent memory's r cache
-(REFERENCE §4). The graph context wraps it as build_conv_state_store(inp, s, conv_x, n_cols, offs).
+and its rollback slots. The graph context wraps it as build_conv_state_store(inp, s, conv_x, n_cols, offs).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def slot_order_tail(s_slot_rev, Kw: int):
 
 
 def build_slot_order(ctx, K: int, Kw: int):
-    """Seed 000: each conv layer builds its own order next to its set_rows and views its tail."""
+    """The per-layer strategy: each conv layer builds its own order next to its set_rows and views
+    its tail, so the order is computed on the layer's device and never copied."""
     return slot_order_tail(build_slot_rev(ctx, K), Kw)
 
 

@@ -1,6 +1,6 @@
 """Gated DeltaNet (Qwen3.5 style, llama.cpp arch `qwen35` with every layer linear-attention):
 embedding, N x (RMS norm -> gated delta-net mixer -> residual -> RMS norm -> SwiGLU FFN ->
-residual), final RMS norm, output head (REFERENCE §6.3, §6.4, §11).
+residual), final RMS norm, output head.
 
 `build_delta_net_layer` reads like llama.cpp's qwen35 `build_layer_attn_linear`: the conv history
 goes through `build_conv_state_store` (the one writer of the r cache); the recurrence is always

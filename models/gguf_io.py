@@ -1,5 +1,5 @@
 """GGUF files for the recurrent models, with llama.cpp's architecture names, metadata keys and
-tensor names (REFERENCE §11), through the `gguf` package (pip install 'minigraph[gguf]').
+tensor names, through the `gguf` package (pip install 'minigraph[gguf]').
 
     save_gguf(model, path)                     write a model's hyperparameters and weights
     load_gguf(path, devices=None) -> model     build the arch's model class and fill its weights
@@ -167,7 +167,7 @@ def _meta_qwen35(hp):
             "ssm.inner_size": int(_pick(hp, "d_inner", default=head_dim * n_v)),
             "feed_forward_length": int(_pick(hp, "n_ff")),
             # every block is a delta-net block: the attention interval lies past the last block;
-            # the attention keys are required even without attention blocks (REFERENCE §11)
+            # llama.cpp's loader requires the attention keys even without attention blocks
             "full_attention_interval": n_layer + 1,
             "attention.head_count": 1,
             "attention.head_count_kv": 1,

@@ -1,4 +1,4 @@
-"""Kimi delta attention (llama.cpp arch "kimi-linear", REFERENCE §6.4, §6.5, §11).
+"""Kimi delta attention (llama.cpp arch "kimi-linear").
 
 Per block: attn_norm (RMS) -> KDA mixer -> residual add, ffn_norm (RMS) -> dense SwiGLU FFN ->
 residual add; then output_norm and the output head. Every block here is a KDA block (llama.cpp
@@ -133,7 +133,7 @@ class KDAModel(RecurrentModel):
         lw.update(self.ffn_weights(mk, il, self.n_ff))
         return lw
 
-    # memory sizes (REFERENCE §2.1): three conv histories (Q, K, V); one head_dim^2 state per head
+    # memory sizes (floats per cache row): three conv histories (Q, K, V); one head_dim^2 state per head
     def n_embd_r(self, il):
         return 3 * (self.d_conv - 1) * self.d_inner
 

@@ -1,4 +1,4 @@
-"""LFM2 with short-conv layers (llama.cpp arch "lfm2", REFERENCE §6.2 and §11).
+"""LFM2 with short-conv layers (llama.cpp arch "lfm2").
 
 Per block: attn_norm (RMS) -> short conv -> residual add, ffn_norm (RMS) -> SwiGLU FFN -> residual
 add; after the last block the final norm (`token_embd_norm`, llama.cpp's output_norm for lfm2) and
@@ -82,7 +82,7 @@ class LFM2Model(RecurrentModel):
         lw.update(self.ffn_weights(mk, il, self.n_ff))
         return lw
 
-    # memory sizes (REFERENCE §2.1): L-1 history columns per channel, no s state
+    # memory sizes (floats per cache row): L-1 history columns per channel, no s state
     def n_embd_r(self, il):
         return (self.l_cache - 1) * self.n_embd
 

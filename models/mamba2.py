@@ -1,5 +1,5 @@
 """Mamba-2 (llama.cpp arch `mamba2`): embedding, N x (RMS norm -> Mamba-2 mixer -> residual),
-final RMS norm, output head. No feed-forward (REFERENCE §6.1, §11).
+final RMS norm, output head. No feed-forward.
 
 `build_mamba2_layer` reads like llama.cpp's `llm_graph_context_mamba::build_mamba2_layer`:
 the conv history goes through `build_conv_state_store` (the one writer of the r cache), the

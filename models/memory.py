@@ -1,4 +1,4 @@
-"""The recurrent memory with rollback planes: llama.cpp's `llama_memory_recurrent` (REFERENCE §2).
+"""The recurrent memory with rollback planes: llama.cpp's `llama_memory_recurrent`.
 
 Per recurrent layer il the memory holds two f32 caches, `r_l[il]` = [n_embd_r, mem_size*K] (conv /
 token-shift history, "cache_r_l{il}") and `s_l[il]` = [n_embd_s, mem_size*K] (SSM / delta-net state,
@@ -223,7 +223,7 @@ class RecurrentMemory:
     def pending_rollback(self, seq: int) -> int:
         return self.rs_idx[seq] if 0 <= seq < self.n_seq_max else 0
 
-    # -- find_slot (REFERENCE §2.3) -----------------------------------------------------------
+    # -- find_slot ------------------------------------------------------------------------------
     def _meta(self) -> dict:
         # Cell.copy, not copy.deepcopy: find_slot and every atomic step save the metadata, and
         # deepcopy of 64 cells costs milliseconds
@@ -408,7 +408,7 @@ class RecurrentMemory:
             self.last_refusal = refusal
         return ok
 
-    # -- the gather index (REFERENCE §2.5) ----------------------------------------------------
+    # -- the gather index -----------------------------------------------------------------------
     def s_copy(self, i: int, head: int | None = None) -> int:
         """Row to read the initial state of cell head+i from: src0, or k*size + src0 when the
         cell's first sequence has a pending rollback of k (which this call consumes)."""
@@ -436,7 +436,7 @@ class RecurrentMemory:
         n_rs = self.n if n_rs is None else n_rs
         return np.array([self.s_copy(i) for i in range(n_rs)], np.int32)
 
-    # -- sequence operations (REFERENCE §2.6) -------------------------------------------------
+    # -- sequence operations --------------------------------------------------------------------
     def _refuse(self, msg: str) -> bool:
         self.last_refusal = msg
         return False
@@ -608,7 +608,7 @@ class RecurrentMemory:
         if c is not None:
             c.pos = int(c.pos / d)          # C integer division truncates toward 0
 
-    # -- batch init (REFERENCE §2.7) ------------------------------------------------------------
+    # -- batch init -------------------------------------------------------------------------------
     def init_batch(self, balloc, n_ubatch: int, embd_all: bool = False) -> "RecurrentContext":
         """Split the batch (split_seq if embd_all, else sequential split_equal keeping the last
         n_rs_seq+1 tokens of each sequence together) and dry-run find_slot on every ubatch."""
@@ -712,7 +712,7 @@ class RecurrentMemory:
         rows = np.ascontiguousarray(rows, np.float32).reshape(-1, t.ne[0])
         self._set_tensor_bytes(t, rows.view(np.uint8).reshape(-1), row0 * t.nb[1])
 
-    # -- state save / load (REFERENCE §2.8) -------------------------------------------------------
+    # -- state save / load --------------------------------------------------------------------------
     def _source_row(self, i: int, seq: int) -> int:
         """The logical source row of cell i: rs_idx*size + (src >= 0 ? src : i)."""
         c = self.cells[i]

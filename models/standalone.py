@@ -7,7 +7,7 @@ The result is an op_cases `Built`, so the same graph can be computed by minigrap
 oracle test (tests/test_models_ggml.py) and the model benchmark (bench/models.py).
 
 The graph covers the whole mixer: projections, the conv-state read (build_rs, with a tail cell
-and optionally the zero row), concat, the conv-state store (seed 000's set_rows of overlapping
+and optionally the zero row), concat, the conv-state store (one set_rows of overlapping
 windows, or the plain copy when n_rs_seq = 0), ssm_conv, ssm_scan reading the cache rows directly
 / gated_delta_net, the K state snapshots stored into the s cache, the gated norm and the output
 projection.

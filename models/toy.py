@@ -34,7 +34,7 @@ class ToyConvModel(RecurrentModel):
             "norm": mk(f"blk.{il}.norm", (E,), 0.1, 1.0),
         }
 
-    # memory sizes (REFERENCE §2.1: conv history of d_conv-1 columns per channel, no s state)
+    # memory sizes (floats per cache row: conv history of d_conv-1 columns per channel, no s state)
     def n_embd_r(self, il):
         return (self.d_conv - 1) * self.n_embd
 

@@ -1,4 +1,4 @@
-"""Batches and ubatch splitting (REFERENCE §5): split_equal's tail guarantee as a property,
+"""Batches and ubatch splitting (llama.cpp's llama_batch_allocr): split_equal's tail guarantee as a property,
 seq-major order, split_simple / split_seq shapes, and the errors for bad input."""
 import numpy as np
 import pytest

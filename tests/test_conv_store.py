@@ -1,4 +1,4 @@
-"""REFERENCE §9 invariant 2 as a property: after the conv-state store of a ubatch of n tokens,
+"""The conv-state store's invariant as a property: after the conv-state store of a ubatch of n tokens,
 slot j < min(n, K) of each sequence's cell holds conv_x[n-j : n-j+n_cols] per channel (at byte
 offset offs of the row), and every other byte of the state keeps its guard value."""
 import numpy as np

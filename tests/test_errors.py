@@ -1,6 +1,6 @@
 """Every shape / type / bounds rule raises mg.OpError when the graph is built, with a message that
 names the op and the tensor; out-of-range indices raise at compute time, name the node and leave
-the destination's bytes untouched (REFERENCE.md §1, §7; DESIGN.md)."""
+the destination's bytes untouched."""
 from __future__ import annotations
 
 import re
@@ -130,7 +130,7 @@ def test_cpy_rules(ctx):
 
 
 # ----------------------------------------------------------------------------------------------
-# set_rows: each assert of REFERENCE §7.1
+# set_rows: each assert ggml's set_rows makes
 # ----------------------------------------------------------------------------------------------
 def set_rows_args(ctx, a_ne=(5, 6, 4, 2), b_ne=(5, 3, 4, 2), c_ne=(3, 2, 1), a_type=mg.f32,
                   b_type=mg.f32, c_type=mg.i32):

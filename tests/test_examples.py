@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("script,args,expect", [
-    ("conv_state_store.py", [], "all slots as REFERENCE §4.3 predicts"),
+    ("conv_state_store.py", [], "all slots as predicted"),
     ("new_recurrent_layer.py", [], "equals the no-draft run: True"),
     ("slot_order_placement.py", [], "host-input"),
     ("graph_reuse.py", ["--steps", "12"], "matched a fresh build bit for bit"),

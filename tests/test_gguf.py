@@ -1,5 +1,5 @@
-"""GGUF files (models/gguf_io.py): llama.cpp's arch names, metadata keys, tensor names and shapes
-(REFERENCE §11); write a tiny model, read it back, same logits bit for bit. Needs the `gguf`
+"""GGUF files (models/gguf_io.py): llama.cpp's arch names, metadata keys, tensor names and shapes;
+write a tiny model, read it back, same logits bit for bit. Needs the `gguf`
 package, which the test extra installs: without it these tests fail (they never skip)."""
 import importlib
 

@@ -1,4 +1,4 @@
-"""The recurrent memory (REFERENCE §2): find_slot's steps on hand-worked examples, s_copy and the
+"""The recurrent memory (llama.cpp's llama_memory_recurrent): find_slot's steps on hand-worked examples, s_copy and the
 rollback planes, the rollback rules (each refusal named, nothing changed), sequence operations,
 snapshot/restore, state save/load with a pending rollback, and the per-layer device map."""
 import numpy as np

@@ -32,7 +32,7 @@ def test_model_shape_and_memory_sizes():
     r = Runner(m, mem_size=2, n_rs_seq=2)
     assert r.memory.r_l[1].ne[:2] == (288, 6) and r.memory.s_l[1].ne[:2] == (512, 6)
     ne = {name: t.ne[:t.n_dims()] for name, t in m.gguf_tensors().items()}
-    # llama.cpp's shapes (REFERENCE §11), ne order
+    # llama.cpp's shapes, ne order
     assert ne["blk.0.attn_q.weight"] == (64, 32) and ne["blk.0.ssm_conv1d_q.weight"] == (4, 1, 32)
     assert ne["blk.0.ssm_f_a.weight"] == (64, 16) and ne["blk.0.ssm_f_b.weight"] == (16, 32)
     assert ne["blk.0.ssm_dt.bias"] == (32,) and ne["blk.0.ssm_a"] == (1, 2)

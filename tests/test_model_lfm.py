@@ -106,7 +106,7 @@ def check_step(runner, shadow, step: dict, tag: str = ""):
                                  f"{tag} s cache, layer {il}, seq {seq}, slot {j}")
             if single_ubatch and cells_before[seq] == cell:
                 r0, s0 = before[il]
-                for j in range(n_valid, K):      # stale slots are not written (seed 000)
+                for j in range(n_valid, K):      # slots the ubatch did not reach stay stale
                     assert np.array_equal(r_rows[j * size + cell], r0[j * size + cell]), \
                         f"{tag} r slot {j} of seq {seq} was written by a ubatch of {len(toks)} tokens"
                     if s_rows is not None:

@@ -3,7 +3,7 @@
 (libggml-python, through minigraph.testing.ggml_oracle) and by minigraph's `cpu` and `ref` backends.
 
 The graph covers the whole mixer: projections, the conv-state read (build_rs, with a tail cell
-and optionally the zero row), concat, the conv-state store (seed 000's set_rows of overlapping
+and optionally the zero row), concat, the conv-state store (one set_rows of overlapping
 windows, or the plain copy when n_rs_seq = 0), ssm_conv, ssm_scan reading the cache rows directly
 / gated_delta_net, the K state snapshots stored into the s cache, the gated norm and the output
 projection. Compared: the layer output and both caches (every row; rows the graph must not write

@@ -2,8 +2,8 @@
 
 Every op case of minigraph.testing.op_cases that ggml can run is built twice from the same seed, once
 computed by minigraph's `ref` backend and once by ggml through minigraph/ggml_oracle.py, and the
-outputs compared (bit for bit for copies and index ops). The conv-state store of seed 000
-(REFERENCE §4.3) is also run whole and every byte of the state buffer compared.
+outputs compared (bit for bit for copies and index ops). The conv-state store (the
+n_rs_seq > 0 path: overlapping windows into rollback slots) is also run whole and every byte of the state buffer compared.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_every_ggml_case_is_covered():
     assert [p for p in problems if p] == []
 
 
-# -- seed 000's conv-state store (REFERENCE §4.3; §4.2 when K == 1) ------------------------------
+# -- the conv-state store (with rollback slots; a plain copy when K == 1) --------------------------
 N_COLS, CHANNELS, N_SEQS, MEM_SIZE, HEAD, OFFS_ELTS = 3, 5, 2, 4, 1, 7
 
 

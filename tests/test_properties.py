@@ -1,5 +1,5 @@
 """Property tests (hypothesis) for views, set_rows/get_rows broadcasting and cpy between strided
-views. Expectations come from loops over byte addresses (REFERENCE.md §1, §7.1)."""
+views. Expectations come from loops over byte addresses."""
 from __future__ import annotations
 
 import numpy as np

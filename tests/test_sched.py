@@ -1,4 +1,4 @@
-"""Placement on cpu:1 + cpu:0 (cpu:0 last = host) with hand-computed expectations (REFERENCE §12)."""
+"""Placement on cpu:1 + cpu:0 (cpu:0 last = host) with hand-computed expectations (ggml's scheduler passes)."""
 import json
 import os
 import subprocess

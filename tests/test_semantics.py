@@ -1,6 +1,6 @@
 """ggml semantics of minigraph on the reference backend, checked against expectations computed
 here by hand: explicit Python loops over ggml indices i0..i3 and the ne/nb/byte-offset
-definitions (REFERENCE.md §1, §4, §6.4, §7). The registry's NumPy references are never used as
+definitions. The registry's NumPy references are never used as
 the expectation.
 
 Conventions in this file: a "4-D array" is a NumPy array in NumPy order [ne3, ne2, ne1, ne0], so
@@ -636,7 +636,7 @@ def test_repeat_tiles():
 
 
 # ----------------------------------------------------------------------------------------------
-# ssm_scan and gated_delta_net with K snapshots (REFERENCE §6.4, §7.3)
+# ssm_scan and gated_delta_net with K snapshots
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T,K", [(5, 3), (2, 4), (3, 1), (1, 2)])
 def test_ssm_scan_snapshots(T, K):
@@ -739,7 +739,7 @@ def test_gated_delta_net_snapshots(T, K, kda, H_k, nsqk):
 
 
 def test_ssm_state_store_leaves_slots_ge_T_untouched():
-    """Mamba-2 state store (REFERENCE §6.1): n_written = min(T, K) snapshots are copied into the
+    """Mamba-2 state store: n_written = min(T, K) snapshots are copied into the
     cache rows j*mem_size + head + q; older slots keep their stale contents."""
     rng = np.random.default_rng(60)
     d_state, head_dim, n_head, n_seqs, T, K, mem_size, head = 2, 2, 2, 2, 2, 4, 4, 1
@@ -777,10 +777,10 @@ def test_ssm_state_store_leaves_slots_ge_T_untouched():
 
 
 # ----------------------------------------------------------------------------------------------
-# seed 000's conv-state store (REFERENCE §4.3, §4.6)
+# the conv-state store with rollback slots
 # ----------------------------------------------------------------------------------------------
 def build_conv_state_store(ctx, s, conv_x, n_cols, offs, head, mem_size, K):
-    """The graph of seed 000's build_conv_state_store with n_rs_seq = K-1 > 0."""
+    """The graph of build_conv_state_store with n_rs_seq = K-1 > 0."""
     elt = 4
     n = conv_x.ne[0] - n_cols
     channels, n_seqs = conv_x.ne[1], conv_x.ne[2]
@@ -821,7 +821,7 @@ def conv_store_step(rng, cache, n, n_cols, channels, n_seqs, part, head, mem_siz
 
 
 @pytest.mark.parametrize("n_cols,K,n,channels,n_seqs,part,head,mem_size", [
-    (3, 3, 5, 2, 2, 1, 1, 4),       # REFERENCE §4.6 worked example (Kw = 3)
+    (3, 3, 5, 2, 2, 1, 1, 4),       # n=5 into K=3 slots: windows at columns 3, 4, 5 -> slots 2, 1, 0
     (3, 3, 1, 2, 2, 2, 2, 4),       # decode: Kw = 1, slot 0 only
     (2, 4, 2, 3, 1, 0, 3, 5),       # Kw = 2 < K
     (3, 4, 4, 2, 2, 2, 1, 3),       # the window view the contiguous-size check would reject

@@ -1,6 +1,6 @@
-"""The meta backend's split-state rules (minigraph/split_state.py, REFERENCE §8), case by case
-against hand-worked expectations, including §8.3's worked application of seed 001's permuted-view
-rule to seed 000's `slots` and `windows` views, and the KDA three-part row that cannot be split.
+"""The meta backend's split-state rules (backends/meta/split_state.py), case by case
+against hand-worked expectations, including the permuted-view rule applied to the conv-state
+store's `slots` and `windows` views, and the KDA three-part row that cannot be split.
 Graphs here are built but never allocated: the rules only read shapes, strides and sources."""
 import pytest
 
@@ -60,7 +60,7 @@ def test_callback_state_must_cover_the_axis():
 
 
 def test_arange_chain_is_mirrored():
-    """Seed 000's per-layer slot order: arange -> scale_bias -> cast -> view, all MIRRORED."""
+    """The per-layer slot order: arange -> scale_bias -> cast -> view, all MIRRORED."""
     ctx = mg.Context()
     order = build_slot_order(ctx, 4, 2)
     s = SplitStates(2)
@@ -236,7 +236,7 @@ def test_view_rule_2_same_strides():
 
 
 def test_view_rule_3_windows_of_conv_x():
-    """REFERENCE §8.3: `windows` (nb = [elt, elt, x.nb1, x.nb2], not permuted) of conv_x split on
+    """`windows` (nb = [elt, elt, x.nb1, x.nb2], not permuted) of conv_x split on
     axis 1 gets axis 2 through rule 3 (view.nb[3] == conv_x.nb[2])."""
     ctx = mg.Context()
     n_cols, n, ch, S, Kw = 3, 5, 8, 2, 3
@@ -267,7 +267,7 @@ def slots_view(s_cache, n_cols, K, ch, S, mem_size, head, offs=0):
 
 
 def test_view_rule_4_slots_from_a_cache_split_on_axis_0():
-    """REFERENCE §8.3: r_l [n_embd_r, rows] split on axis 0 (by channel) -> nb_axis = elt,
+    """r_l [n_embd_r, rows] split on axis 0 (by channel) -> nb_axis = elt,
     nb_next = row_size. `slots` (nb = [elt, mem_size*row, n_cols*elt, row], permuted) is split on
     axis 2: dim 2 spans a row exactly, dim 0 lies inside one channel, dims 1 and 3 are multiples of
     the row size."""
@@ -277,7 +277,7 @@ def test_view_rule_4_slots_from_a_cache_split_on_axis_0():
     s = SplitStates(2, by_name(cache_r_l0=SplitState.split(0, (15, 9))))     # 5 + 3 channels
     slots = slots_view(r, n_cols, K, ch, S, mem, head=1)
     assert slots.is_permuted()
-    check(s, slots, AXIS_2, (5, 3), "view 4: permuted view (seed 001)")
+    check(s, slots, AXIS_2, (5, 3), "view 4: permuted view")
     # device 1: 3 channels; strides above the split dim scale with the share, the cell offset too
     row1 = 9 * 4
     ne, nb = device_ne_nb(slots, s.state(slots), 1)
@@ -307,7 +307,7 @@ def test_view_rule_4_kda_three_part_rows_cannot_be_split():
     s = SplitStates(2, by_name(cache_r_l0=0))
     part_offs = n_cols * d_inner * 4          # the k part
     slots = slots_view(r, n_cols, K, d_inner, S, mem, head=0, offs=part_offs)
-    with pytest.raises(mg.OpError, match=r"split state of VIEW .*rule 'view 4: permuted view \(seed 001\)' "
+    with pytest.raises(mg.OpError, match=r"split state of VIEW .*rule 'view 4: permuted view' "
                                          r"failed: no dim of the view .* spans exactly one element"):
         s.state(slots)
     # the same view of an unsplit cache is fine (rule 5)

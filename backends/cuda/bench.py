@@ -111,7 +111,7 @@ def bench_ops(be, timer, scale: int, rng):
     ok = np.array_equal(cc.numpy(), np.concatenate([a_np, b_np], axis=2))
     yield "concat dim 0", f"f32 [3|{n_t}, {ch}, {n_s}]", 2 * cc.nelements() * 4, timer(lambda: be.compute_nodes(nodes)), ok
 
-    # set_rows: seed 000's conv-state store (overlapping windows into permuted rollback slots)
+    # set_rows: the conv-state store (overlapping windows into permuted rollback slots)
     n_cols, K, n_seqs, n_new = 3, 4, 4, 4
     ch = 4096 * 64 // scale
     mem = n_seqs + 1

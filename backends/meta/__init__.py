@@ -1,5 +1,5 @@
 """The meta device: one logical device split over several simple ones (ggml-backend-meta.cpp,
-tensor parallelism; REFERENCE §8).
+tensor parallelism).
 
 `mg.backend("meta(cpu:0,cpu:1)")` (or MetaBackend([dev0, dev1], split_state=fn)) is a Backend
 like any other: buffers, tensors, set/numpy and graph compute, usable alone or in a Scheduler.

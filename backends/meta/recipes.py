@@ -14,7 +14,7 @@ projection), the residual stream staying MIRRORED.
 
 Mamba-2, LFM2 and KDA have no recipe (all MIRRORED): ggml's SSM_SCAN rule is scalar-only and
 Mamba-2's conv bias add meets a split conv output; llama.cpp runs the LFM2 short-conv block
-mirrored; KDA's three-part r rows cannot be split (seed 001's permuted-view rule finds no dim)."""
+mirrored; KDA's three-part r rows cannot be split (the permuted-view rule finds no dim)."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""Split states of ggml's meta backend (ggml-backend-meta.cpp; REFERENCE §8): how one logical
+"""Split states of ggml's meta backend (ggml-backend-meta.cpp): how one logical
 tensor is spread over the simple devices of a meta device, and the rules that derive every
 tensor's state from its sources.
 
@@ -11,11 +11,11 @@ the split axis the logical index space is laid out as
 
 and device j holds its pieces in the same order, concatenated. Weights and caches get their
 state from a user callback; everything else derives it with ggml's per-op rules (views in the
-six-step order including seed 001's permuted-view rule). A tensor whose state cannot be derived
+six-step order including the permuted-view rule). A tensor whose state cannot be derived
 raises OpError naming it and the rule that failed; every tensor records the rule that set it.
 
 Deviations from ggml (each turns a silent mis-computation or an abort into a checked rule):
-  * ARANGE (and any other source-less op) is MIRRORED (seed 000 needs it for the slot order).
+  * ARANGE (and any other source-less op) is MIRRORED (the per-layer slot order is built from one).
   * A tensor without elements is MIRRORED ("empty"); ggml marks it UNKNOWN and aborts when it
     is used as a source (build_rs's zero-row view has 0 elements when no cell needs zeroing).
   * reshape/cont/cpy/contiguous views: when ggml's rule puts the split on a result dim that cuts
@@ -455,9 +455,9 @@ def _view(t, srcs, ss, rule_out: list, cut=None) -> SplitState:
         raise _Fail(rule_out[0], f"no view dim d has nb[d+1] == {src.nb[axis + 1]} (source {src.label} "
                                  f"split on axis {axis}); view nb={list(t.nb)}")
     if t.is_permuted() and not src.is_permuted() and 0 <= axis < MAX_DIMS - 1:
-        # seed 001: split the view dim that spans the source's split axis; every other dim must
+        # permuted view: split the view dim that spans the source's split axis; every other dim must
         # lie inside one element of it or outside the span
-        rule_out[0] = "view 4: permuted view (seed 001) -> the dim spanning the split axis"
+        rule_out[0] = "view 4: permuted view -> the dim spanning the split axis"
         nb_axis, nb_next = src.nb[axis], src.nb[axis + 1]
         for d in range(MAX_DIMS):
             if t.ne[d] == 1 or t.nb[d] < nb_axis or t.nb[d] * t.ne[d] != nb_next:
@@ -471,7 +471,7 @@ def _view(t, srcs, ss, rule_out: list, cut=None) -> SplitState:
         rule_out[0] = "view 5: source MIRRORED/PARTIAL -> same"
         return st
     if t.is_permuted() and not src.is_permuted() and 0 <= axis < MAX_DIMS - 1:
-        raise _Fail("view 4: permuted view (seed 001)",
+        raise _Fail("view 4: permuted view",
                     f"no dim of the view (ne={list(t.ne)}, nb={list(t.nb)}) spans exactly one element of "
                     f"the source's axis {axis + 1} (nb={nb_next}) with the other dims inside or outside it; "
                     f"source {src.label} is split on axis {axis}")
@@ -691,7 +691,7 @@ def _check_write_through(t, srcs, ss, own, rule):
 
 def device_ne_nb(t: Tensor, st: SplitState, j: int) -> tuple:
     """Device j's extents and strides of t: ne[axis] -> its share, every stride larger than
-    nb[axis] scaled by share / ne[axis] (REFERENCE §8.1)."""
+    nb[axis] scaled by share / ne[axis]."""
     if not st.is_split:
         return t.ne, t.nb
     a = st.axis

@@ -6,6 +6,7 @@ import numpy as np
 from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..tensor import Tensor
 from ..types import DType, f16, f32, i32
+from .public import public
 
 # type pairs every backend converts (ggml's CPU cpy implements these; f16<->i32 aborts there)
 CONVERSIONS = {(f32, f16), (f16, f32), (f32, i32), (i32, f32)}
@@ -38,6 +39,8 @@ _T = "struct ggml_tensor *"
 
 
 @op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy",
+    shape="a: [n0, n1, n2, n3], b: any shape with n0*n1*n2*n3 elements -> b's ne (a view of b); "
+          "without b (a cast): [n0, n1, n2, n3] of the new type",
     ggml=GgmlCall(override=_ggml_cpy, cdef=f"{_T} ggml_cpy(struct ggml_context * ctx, {_T} a, {_T} b);\n"
                                            f"{_T} ggml_cast(struct ggml_context * ctx, {_T} a, int type);\n"))
 def _cpy_rule(a, type, b=None):
@@ -55,16 +58,28 @@ def _cpy_ref(node, a, b=None):
     return convert(flat, node.type).reshape(tuple(reversed(node.ne)))
 
 
+@public("CPY", """
+>>> a, b = ctx.new_tensor_2d(mg.f32, 4, 3), ctx.new_tensor_1d(mg.f16, 12)
+>>> mg.cpy(a, b).ne                          # converted to f16 on the way
+(12, 1, 1, 1)
+""", shape="a: [n0, n1, n2, n3], b: any shape with n0*n1*n2*n3 elements -> b's ne and type (a view of b)")
 def cpy(a, b):
-    """Copy a into b's memory in flattened logical order; returns a view of b."""
+    """ggml_cpy: copy a into b's memory in flattened logical order; returns a view of b."""
     return build("CPY", a=a, b=b, type=b.type)
 
 
+@public("CPY", """
+>>> t = mg.cast(ctx.new_tensor_2d(mg.f32, 4, 3), mg.i32)
+>>> t.ne, t.type
+((4, 3, 1, 1), mg.i32)
+""", shape="a: [n0, n1, n2, n3] -> [n0, n1, n2, n3] of the new type (f32<->f16, f32<->i32)")
 def cast(a, type: DType):
+    """ggml_cast: a converted to another type (float -> int truncates toward zero)."""
     return build("CPY", a=a, type=type)
 
 
-@op("CONT", srcs=("a",), params={"ne": tuple}, split="reshape", ggml=GgmlCall("cont_4d", ("a", "@ne")))
+@op("CONT", srcs=("a",), params={"ne": tuple}, split="reshape", ggml=GgmlCall("cont_4d", ("a", "@ne")),
+    shape="a: any strides, [n0, n1, n2, n3] -> [ne0, ne1, ne2, ne3] contiguous, as many elements")
 def _cont_rule(a, ne):
     require(int(np.prod(ne)) == a.nelements(), "CONT",
             f"{a.label} has {a.nelements()} elements, ne={list(ne)} has {int(np.prod(ne))}")
@@ -76,23 +91,44 @@ def _cont_ref(node, a):
     return np.ascontiguousarray(a).reshape(tuple(reversed(node.ne)))
 
 
+@public("CONT", """
+>>> mg.cont(mg.transpose(ctx.new_tensor_2d(mg.f32, 4, 3))).ne
+(3, 4, 1, 1)
+""", shape="a: any strides, [n0, n1, n2, n3] -> [n0, n1, n2, n3] contiguous")
 def cont(a):
+    """ggml_cont: a contiguous copy of a (e.g. of a transposed or permuted view)."""
     return build("CONT", a=a, ne=a.ne)
 
 
+@public("CONT", """
+>>> mg.cont_2d(mg.transpose(ctx.new_tensor_2d(mg.f32, 4, 3)), 6, 2).ne
+(6, 2, 1, 1)
+""", shape="a: any strides -> [ne0, ne1] contiguous, as many elements")
 def cont_2d(a, ne0, ne1):
+    """ggml_cont_2d: a contiguous copy of a with new extents."""
     return build("CONT", a=a, ne=(ne0, ne1, 1, 1))
 
 
+@public("CONT", """
+>>> mg.cont_3d(mg.transpose(ctx.new_tensor_2d(mg.f32, 4, 3)), 3, 2, 2).ne
+(3, 2, 2, 1)
+""", shape="a: any strides -> [ne0, ne1, ne2] contiguous, as many elements")
 def cont_3d(a, ne0, ne1, ne2):
+    """ggml_cont_3d: a contiguous copy of a with new extents."""
     return build("CONT", a=a, ne=(ne0, ne1, ne2, 1))
 
 
+@public("CONT", """
+>>> mg.cont_4d(mg.transpose(ctx.new_tensor_2d(mg.f32, 4, 3)), 3, 1, 2, 2).ne
+(3, 1, 2, 2)
+""", shape="a: any strides -> [ne0, ne1, ne2, ne3] contiguous, as many elements")
 def cont_4d(a, ne0, ne1, ne2, ne3):
+    """ggml_cont_4d: a contiguous copy of a with new extents."""
     return build("CONT", a=a, ne=(ne0, ne1, ne2, ne3))
 
 
-@op("CONCAT", srcs=("a", "b"), params={"dim": int}, split="concat", ggml=GgmlCall("concat", ("a", "b", "dim")))
+@op("CONCAT", srcs=("a", "b"), params={"dim": int}, split="concat", ggml=GgmlCall("concat", ("a", "b", "dim")),
+    shape="a: [n0, n1, n2, n3], b: the same extents except in dim -> a's extents with ne[dim] = a.ne[dim] + b.ne[dim]")
 def _concat_rule(a, b, dim):
     require(0 <= dim < 4, "CONCAT", f"dim {dim} must be in [0, 4)")
     require(a.type == b.type, "CONCAT", f"{a.label} is {a.type.name} but {b.label} is {b.type.name}")
@@ -111,11 +147,17 @@ def _concat_ref(node, a, b):
     return np.concatenate([a, b], axis=3 - node.params["dim"])
 
 
+@public("CONCAT", """
+>>> mg.concat(ctx.new_tensor_2d(mg.f32, 3, 8), ctx.new_tensor_2d(mg.f32, 4, 8), 0).ne
+(7, 8, 1, 1)
+""")
 def concat(a, b, dim=0):
+    """ggml_concat: b after a along dim (same type)."""
     return build("CONCAT", a=a, b=b, dim=dim)
 
 
-@op("REPEAT", srcs=("a",), params={"ne": tuple}, split="generic", ggml=GgmlCall("repeat_4d", ("a", "@ne")))
+@op("REPEAT", srcs=("a",), params={"ne": tuple}, split="generic", ggml=GgmlCall("repeat_4d", ("a", "@ne")),
+    shape="a: [m0, m1, m2, m3] -> [ne0, ne1, ne2, ne3] with each ne_i % m_i == 0 (a tiled)")
 def _repeat_rule(a, ne):
     ne = tuple(int(x) for x in ne) + (1,) * (4 - len(ne))
     require(a.is_contiguous_rows(), "REPEAT", f"{a.label} rows must be contiguous (nb0 == {a.type.size})")
@@ -130,10 +172,19 @@ def _repeat_ref(node, a):
     return np.tile(a, reps)
 
 
+@public("REPEAT", """
+>>> mg.repeat(ctx.new_tensor_1d(mg.f32, 4), ctx.new_tensor_2d(mg.f32, 8, 3)).ne
+(8, 3, 1, 1)
+""", shape="a: [m0, m1, m2, m3], b: [n0, n1, n2, n3] with each n_i % m_i == 0 -> [n0, n1, n2, n3] (a tiled)")
 def repeat(a, b):
-    """Tile a to b's shape."""
+    """ggml_repeat: tile a to b's shape (b's values are not read)."""
     return build("REPEAT", a=a, ne=b.ne)
 
 
+@public("REPEAT", """
+>>> mg.repeat_4d(ctx.new_tensor_1d(mg.f32, 4), 8, 3, 1, 1).ne
+(8, 3, 1, 1)
+""")
 def repeat_4d(a, ne0, ne1, ne2, ne3):
+    """ggml_repeat_4d: tile a to [ne0, ne1, ne2, ne3]."""
     return build("REPEAT", a=a, ne=(ne0, ne1, ne2, ne3))

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..registry import GgmlCall, Out, Src, build, cases, op, reference, require
 from ..types import f32
+from .public import public
 
 __all__ = ["add", "sub", "mul", "div", "scale", "scale_inplace", "scale_bias"]   # + every unary()
 
@@ -46,7 +47,8 @@ def unary(name: str, fn, *, exact: bool = False, data=None):
     UNARY[name] = fn
 
     @op(name, srcs=(Src("a", inplace=True),), params={"inplace": bool}, split="generic",
-        ggml=GgmlCall(name.lower(), ("a",)), cases=cases("unary", exact=exact, data=data))
+        ggml=GgmlCall(name.lower(), ("a",)), cases=cases("unary", exact=exact, data=data),
+        shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] f32")
     def rule(a, inplace):
         require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
         require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
@@ -60,7 +62,8 @@ def unary(name: str, fn, *, exact: bool = False, data=None):
     def api(a, inplace=False):
         return build(name, a=a, inplace=inplace)
     api.__name__ = api.__qualname__ = name.lower()
-    api.__doc__ = f"ggml_{name.lower()}: elementwise, f32; inplace=True returns a view of a."
+    api.__doc__ = f"ggml_{name.lower()}: {name.lower()}(x) for every element of a."
+    public(name, f">>> mg.{api.__name__}(ctx.new_tensor_2d(mg.f32, 4, 3)).ne\n(4, 3, 1, 1)")(api)
     __all__.append(api.__name__)
     return api
 
@@ -91,7 +94,9 @@ def tile_to(b: np.ndarray, shape) -> np.ndarray:
 
 def _register_binary(name, fn):
     @op(name, srcs=(Src("a", inplace=True), "b"), params={"inplace": bool}, split="bin_bcast",
-        ggml=GgmlCall(name.lower(), ("a", "b")), cases=cases("binary", exact=name != "DIV"))
+        ggml=GgmlCall(name.lower(), ("a", "b")), cases=cases("binary", exact=name != "DIV"),
+        shape="a: [n0, n1, n2, n3] f32, b: [m0, m1, m2, m3] f32 with each n_i % m_i == 0 "
+              "(b tiled over a) -> [n0, n1, n2, n3]")
     def rule(a, b, inplace):
         require(a.type == f32 and b.type == f32, name, f"{a.label} and {b.label} must be f32, got {a.type.name}, {b.type.name}")
         require(can_repeat(b, a), name,
@@ -109,19 +114,43 @@ for _n, _f in BINARY.items():
     _register_binary(_n, _f)
 
 
+@public("ADD", """
+>>> x, bias = ctx.new_tensor_2d(mg.f32, 4, 3), ctx.new_tensor_1d(mg.f32, 4)
+>>> mg.add(x, bias).ne                    # bias repeats over the 3 rows
+(4, 3, 1, 1)
+""")
 def add(a, b, inplace=False):
+    """ggml_add: a + b elementwise, b broadcast over a."""
     return build("ADD", a=a, b=b, inplace=inplace)
 
 
+@public("SUB", """
+>>> x, bias = ctx.new_tensor_2d(mg.f32, 4, 3), ctx.new_tensor_1d(mg.f32, 4)
+>>> mg.sub(x, bias).ne                    # bias repeats over the 3 rows
+(4, 3, 1, 1)
+""")
 def sub(a, b, inplace=False):
+    """ggml_sub: a - b elementwise, b broadcast over a."""
     return build("SUB", a=a, b=b, inplace=inplace)
 
 
+@public("MUL", """
+>>> x, bias = ctx.new_tensor_2d(mg.f32, 4, 3), ctx.new_tensor_1d(mg.f32, 4)
+>>> mg.mul(x, bias).ne                    # bias repeats over the 3 rows
+(4, 3, 1, 1)
+""")
 def mul(a, b, inplace=False):
+    """ggml_mul: a * b elementwise, b broadcast over a."""
     return build("MUL", a=a, b=b, inplace=inplace)
 
 
+@public("DIV", """
+>>> x, bias = ctx.new_tensor_2d(mg.f32, 4, 3), ctx.new_tensor_1d(mg.f32, 4)
+>>> mg.div(x, bias).ne                    # bias repeats over the 3 rows
+(4, 3, 1, 1)
+""")
 def div(a, b, inplace=False):
+    """ggml_div: a / b elementwise, b broadcast over a."""
     return build("DIV", a=a, b=b, inplace=inplace)
 
 
@@ -139,7 +168,8 @@ _SCALE_CDEF = "".join(f"{_T} ggml_scale{v}{sfx}(struct ggml_context * ctx, {_T} 
 
 
 @op("SCALE", srcs=(Src("a", inplace=True),), params={"s": float, "b": float, "inplace": bool},
-    split="generic", ggml=GgmlCall(override=_ggml_scale, cdef=_SCALE_CDEF))
+    split="generic", ggml=GgmlCall(override=_ggml_scale, cdef=_SCALE_CDEF),
+    shape="a: [n0, n1, n2, n3] f32, contiguous -> [n0, n1, n2, n3]")
 def _scale_rule(a, s, b, inplace):
     require(a.type == f32, "SCALE", f"{a.label} must be f32, got {a.type.name}")
     require(a.is_contiguous(), "SCALE", f"{a.label} must be contiguous, got nb={list(a.nb)}")
@@ -153,13 +183,29 @@ def _scale_ref(node, a):
         return (a * s if b == 0 else a * s + b).astype(np.float32)
 
 
+@public("SCALE", """
+>>> mg.scale(ctx.new_tensor_2d(mg.f32, 4, 3), 0.5).ne
+(4, 3, 1, 1)
+""")
 def scale(a, s, inplace=False):
+    """ggml_scale: a * s."""
     return build("SCALE", a=a, s=s, b=0.0, inplace=inplace)
 
 
+@public("SCALE", """
+>>> a = ctx.new_tensor_2d(mg.f32, 4, 3)
+>>> mg.scale_inplace(a, 0.0).view_src is a   # zeroes a when computed
+True
+""")
 def scale_inplace(a, s):
+    """ggml_scale_inplace: a *= s, written into a; returns a view of a."""
     return build("SCALE", a=a, s=s, b=0.0, inplace=True)
 
 
+@public("SCALE", """
+>>> mg.scale_bias(ctx.new_tensor_1d(mg.f32, 4), -1.0, 3.0).ne   # 3 - a
+(4, 1, 1, 1)
+""")
 def scale_bias(a, s, b, inplace=False):
+    """ggml_scale_bias: a * s + b."""
     return build("SCALE", a=a, s=s, b=b, inplace=inplace)

@@ -9,6 +9,7 @@ from ..errors import OpError
 from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..types import f16, f32, i32, i64
 from .copy import convert
+from .public import public
 
 
 def check_indices(opname: str, node, idx_name: str, idx: np.ndarray, limit: int):
@@ -19,7 +20,9 @@ def check_indices(opname: str, node, idx_name: str, idx: np.ndarray, limit: int)
                       f"is out of range [0, {limit})")
 
 
-@op("GET_ROWS", srcs=("a", "b"), split="get_rows", ggml=GgmlCall("get_rows", ("a", "b")))
+@op("GET_ROWS", srcs=("a", "b"), split="get_rows", ggml=GgmlCall("get_rows", ("a", "b")),
+    shape="a: [n0, R, n2, n3] (f32, f16 or i32), b: [n, n2, n3] i32 row indices < R -> [n0, n, n2, n3] "
+          "(f32; i32 for i32 rows)")
 def _get_rows_rule(a, b):
     require(b.type == i32, "GET_ROWS", f"indices {b.label} must be i32, got {b.type.name}")
     require(a.type in (f32, f16, i32), "GET_ROWS", f"rows {a.label} must be f32, f16 or i32, got {a.type.name}")
@@ -40,12 +43,20 @@ def _get_rows_ref(node, a, b):
     return convert(a[k, j, idx], node.type)      # out[k, j, i, :] = a[k, j, idx[k,j,i], :]
 
 
+@public("GET_ROWS", """
+>>> embd, ids = ctx.new_tensor_2d(mg.f32, 8, 100), ctx.new_tensor_1d(mg.i32, 5)   # 100 rows of 8
+>>> mg.get_rows(embd, ids).ne
+(8, 5, 1, 1)
+""")
 def get_rows(a, b):
+    """ggml_get_rows: result row i (of each matrix) is row b[i] of a."""
     return build("GET_ROWS", a=a, b=b)
 
 
 @op("SET_ROWS", srcs=("b", "c", Src("a", dest=True)), split="set_rows",
-    ggml=GgmlCall("set_rows", ("a", "b", "c")))   # ggml_set_rows(ctx, a = dst, b, c)
+    ggml=GgmlCall("set_rows", ("a", "b", "c")),   # ggml_set_rows(ctx, a = dst, b, c)
+    shape="a (destination): [n0, R, n2, n3] f32/f16, b: [n0, n, n2, n3] f32/f16, c: [n, c2, c3] i32/i64 "
+          "indices < R with n2 % c2 == 0, n3 % c3 == 0 -> [n0, R, n2, n3] (a view of a)")
 def _set_rows_rule(a, b, c):
     name = "SET_ROWS"
     require(a.ne[0] == b.ne[0], name, f"destination {a.label} rows have {a.ne[0]} elements, source {b.label} rows {b.ne[0]}")
@@ -75,13 +86,20 @@ def _set_rows_ref(node, a, b, c):
     return out
 
 
+@public("SET_ROWS", """
+>>> cache = ctx.new_tensor_2d(mg.f32, 8, 10)      # 10 rows of 8
+>>> rows, at = ctx.new_tensor_2d(mg.f32, 8, 3), ctx.new_tensor_1d(mg.i32, 3)
+>>> mg.set_rows(cache, rows, at).ne
+(8, 10, 1, 1)
+""")
 def set_rows(a, b, c):
-    """Write rows of b into a at the row indices c; returns a view of a."""
+    """ggml_set_rows: write row i of b into row c[i] of a; returns a view of a."""
     return build("SET_ROWS", a=a, b=b, c=c)
 
 
 @op("ARANGE", params={"start": float, "stop": float, "step": float}, split="mirrored",
-    ggml=GgmlCall("arange", ("start", "stop", "step")))
+    ggml=GgmlCall("arange", ("start", "stop", "step")),
+    shape="no sources -> [ceil((stop - start) / step)] f32: start, start + step, ...")
 def _arange_rule(start, stop, step):
     require(stop > start and step > 0, "ARANGE",
             f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")
@@ -97,5 +115,10 @@ def _arange_ref(node):
     return (np.float32(p["start"]) + np.float32(p["step"]) * i).reshape(1, 1, 1, -1)
 
 
+@public("ARANGE", """
+>>> mg.arange(ctx, 0.0, 4.0, 1.0).ne
+(4, 1, 1, 1)
+""")
 def arange(ctx, start, stop, step=1.0):
+    """ggml_arange: the f32 values start, start+step, ... below stop; ctx holds the new node."""
     return build("ARANGE", ctx, start=start, stop=stop, step=step)

@@ -6,9 +6,11 @@ import numpy as np
 
 from ..registry import GgmlCall, Out, build, op, reference, require
 from ..types import f32
+from .public import public
 
 
-@op("MUL_MAT", srcs=("a", "b"), split="mul_mat", ggml=GgmlCall("mul_mat", ("a", "b")))
+@op("MUL_MAT", srcs=("a", "b"), split="mul_mat", ggml=GgmlCall("mul_mat", ("a", "b")),
+    shape="a: [K, M, B2, B3], b: [K, N, b2, b3] with b2 % B2 == 0, b3 % B3 == 0 -> [M, N, b2, b3]")
 def _mul_mat_rule(a, b):
     name = "MUL_MAT"
     require(a.type == f32 and b.type == f32, name, f"{a.label} and {b.label} must be f32")
@@ -27,5 +29,12 @@ def _mul_mat_ref(node, a, b):
     return np.einsum("xymk,xynk->xynm", ab, b.astype(np.float64)).astype(np.float32)
 
 
+@public("MUL_MAT", """
+>>> w = ctx.new_tensor_2d(mg.f32, 4, 3)     # K=4 inputs, M=3 outputs
+>>> x = ctx.new_tensor_2d(mg.f32, 4, 2)     # N=2 columns
+>>> mg.mul_mat(w, x).ne
+(3, 2, 1, 1)
+""")
 def mul_mat(a, b):
+    """ggml_mul_mat: result[m, n] = sum_k a[k, m] * b[k, n], a's dims 2/3 broadcast over b's (f32)."""
     return build("MUL_MAT", a=a, b=b)

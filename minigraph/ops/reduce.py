@@ -5,6 +5,7 @@ import numpy as np
 
 from ..registry import GgmlCall, Out, Src, build, cases, op, reference, require
 from ..types import f32
+from .public import public
 
 
 def _f32_rows(name, a):
@@ -13,7 +14,8 @@ def _f32_rows(name, a):
 
 
 @op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",
-    ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
+    ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6),
+    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row of n0 scaled)")
 def _rms_norm_rule(a, eps):
     _f32_rows("RMS_NORM", a)
     require(eps >= 0, "RMS_NORM", f"eps must be >= 0, got {eps}")
@@ -28,12 +30,18 @@ def _rms_norm_ref(node, a):
     return (a * scale).astype(np.float32)
 
 
+@public("RMS_NORM", """
+>>> mg.rms_norm(ctx.new_tensor_2d(mg.f32, 64, 5), 1e-6).ne
+(64, 5, 1, 1)
+""")
 def rms_norm(a, eps):
+    """ggml_rms_norm: each row (dim 0) times 1 / sqrt(mean(x^2) + eps)."""
     return build("RMS_NORM", a=a, eps=eps)
 
 
 @op("L2_NORM", srcs=("a",), params={"eps": float}, split="per_row",
-    ggml=GgmlCall("l2_norm", ("a", "eps")), cases=cases("rows", eps=1e-6))
+    ggml=GgmlCall("l2_norm", ("a", "eps")), cases=cases("rows", eps=1e-6),
+    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row of n0 scaled)")
 def _l2_norm_rule(a, eps):
     _f32_rows("L2_NORM", a)
     return Out(f32, a.ne)
@@ -46,11 +54,17 @@ def _l2_norm_ref(node, a):
     return (a * scale).astype(np.float32)
 
 
+@public("L2_NORM", """
+>>> mg.l2_norm(ctx.new_tensor_2d(mg.f32, 64, 5), 1e-6).ne
+(64, 5, 1, 1)
+""")
 def l2_norm(a, eps):
+    """ggml_l2_norm: each row (dim 0) times 1 / max(sqrt(sum(x^2)), eps)."""
     return build("L2_NORM", a=a, eps=eps)
 
 
-@op("SUM_ROWS", srcs=("a",), split="per_row", ggml=GgmlCall("sum_rows", ("a",)), cases=cases("rows"))
+@op("SUM_ROWS", srcs=("a",), split="per_row", ggml=GgmlCall("sum_rows", ("a",)), cases=cases("rows"),
+    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [1, n1, n2, n3]")
 def _sum_rows_rule(a):
     _f32_rows("SUM_ROWS", a)
     return Out(f32, (1, a.ne[1], a.ne[2], a.ne[3]))
@@ -61,12 +75,19 @@ def _sum_rows_ref(node, a):
     return np.sum(a.astype(np.float64), axis=-1, keepdims=True).astype(np.float32)
 
 
+@public("SUM_ROWS", """
+>>> mg.sum_rows(ctx.new_tensor_2d(mg.f32, 64, 5)).ne
+(1, 5, 1, 1)
+""")
 def sum_rows(a):
+    """ggml_sum_rows: the sum of each row (dim 0)."""
     return build("SUM_ROWS", a=a)
 
 
 @op("SOFT_MAX", srcs=("a", Src("mask", optional=True)), params={"scale": float, "max_bias": float},
-    split="soft_max", ggml=GgmlCall("soft_max_ext", ("a", "mask", "scale", "max_bias")))
+    split="soft_max", ggml=GgmlCall("soft_max_ext", ("a", "mask", "scale", "max_bias")),
+    shape="a: [n0, n1, n2, n3] f32, contiguous; mask (optional): [n0, m1 >= n1, m2, m3] f32 with "
+          "n2 % m2 == 0, n3 % m3 == 0 -> [n0, n1, n2, n3]")
 def _soft_max_rule(a, scale, max_bias, mask=None):
     name = "SOFT_MAX"
     require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
@@ -96,12 +117,21 @@ def _soft_max_ref(node, a, mask=None):
         return (e * inv).astype(np.float32)
 
 
+@public("SOFT_MAX", """
+>>> scores, mask = ctx.new_tensor_3d(mg.f32, 6, 6, 2), ctx.new_tensor_2d(mg.f32, 6, 8)
+>>> mg.soft_max_ext(scores, mask, 0.125).ne          # mask rows 0..5 used, shared by both heads
+(6, 6, 2, 1)
+""")
 def soft_max_ext(a, mask, scale, max_bias=0.0):
     """ggml_soft_max_ext: softmax over each row of a*scale + mask (mask optional, f32, broadcast
     over a's dims 2/3; its first a.ne1 rows are used)."""
     return build("SOFT_MAX", a=a, mask=mask, scale=scale, max_bias=max_bias)
 
 
+@public("SOFT_MAX", """
+>>> mg.soft_max(ctx.new_tensor_2d(mg.f32, 10, 3)).ne
+(10, 3, 1, 1)
+""", shape="a: [n0, n1, n2, n3] f32, contiguous -> [n0, n1, n2, n3]")
 def soft_max(a):
     """ggml_soft_max: softmax over each row."""
     return build("SOFT_MAX", a=a, scale=1.0, max_bias=0.0)

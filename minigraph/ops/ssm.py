@@ -8,9 +8,11 @@ from ..registry import GgmlCall, Out, build, op, reference, require
 from ..types import f32, i32
 from .elementwise import _softplus
 from .index import check_indices
+from .public import public
 
 
-@op("SSM_CONV", srcs=("sx", "c"), split="ssm_conv", ggml=GgmlCall("ssm_conv", ("sx", "c")))
+@op("SSM_CONV", srcs=("sx", "c"), split="ssm_conv", ggml=GgmlCall("ssm_conv", ("sx", "c")),
+    shape="sx: [d_conv-1+n_t, d_inner, n_s], rows dense; c: [d_conv, d_inner] -> [d_inner, n_t, n_s]")
 def _ssm_conv_rule(sx, c):
     name = "SSM_CONV"
     require(sx.type == f32 and c.type == f32, name, f"{sx.label} and {c.label} must be f32")
@@ -38,12 +40,23 @@ def _ssm_conv_ref(node, sx, c):
     return acc.transpose(0, 2, 1)[None]   # [1, n_s, n_t, d_inner]
 
 
+@public("SSM_CONV", """
+>>> sx = ctx.new_tensor_3d(mg.f32, 3 + 5, 16, 2)    # 3 history columns + 5 tokens, 16 channels, 2 seqs
+>>> mg.ssm_conv(sx, ctx.new_tensor_2d(mg.f32, 4, 16)).ne
+(16, 5, 2, 1)
+""")
 def ssm_conv(sx, c):
+    """ggml_ssm_conv: per channel, the causal convolution (a cross-correlation) of the columns of
+    sx with the d_conv taps of c; one result column per token."""
     return build("SSM_CONV", sx=sx, c=c)
 
 
 @op("SSM_SCAN", srcs=("s", "x", "dt", "A", "B", "C", "ids"), params={"K": int}, split="generic_scalar",
-    ggml=GgmlCall("ssm_scan", ("s", "x", "dt", "A", "B", "C", "ids", "K"), ctypes={"K": "int64_t"}))
+    ggml=GgmlCall("ssm_scan", ("s", "x", "dt", "A", "B", "C", "ids", "K"), ctypes={"K": "int64_t"}),
+    shape="s: [d_state, head_dim, n_head, rows], x: [head_dim, n_head, T, n_seqs], dt: [n_head, T, n_seqs], "
+          "A: [1 or d_state, n_head], B and C: [d_state, n_group, T, n_seqs] with n_head % n_group == 0, "
+          "ids: [n_seqs] i32 rows of s -> [head_dim*n_head*T*n_seqs + K*d_state*head_dim*n_head*n_seqs] "
+          "(y, then K state snapshots)")
 def _ssm_scan_rule(s, x, dt, A, B, C, ids, K):
     name = "SSM_SCAN"
     require(K >= 1, name, f"K must be >= 1, got {K}")
@@ -97,12 +110,26 @@ def _ssm_scan_ref(node, s, x, dt, A, B, C, ids):
     return np.concatenate([y.reshape(-1), states.reshape(-1)]).reshape(1, 1, 1, -1)
 
 
+@public("SSM_SCAN", """
+>>> ds, hd, nh, T, ns = 16, 4, 2, 3, 1
+>>> y = mg.ssm_scan(ctx.new_tensor_4d(mg.f32, ds, hd, nh, ns), ctx.new_tensor_4d(mg.f32, hd, nh, T, ns),
+...                 ctx.new_tensor_3d(mg.f32, nh, T, ns), ctx.new_tensor_2d(mg.f32, 1, nh),
+...                 ctx.new_tensor_4d(mg.f32, ds, 1, T, ns), ctx.new_tensor_4d(mg.f32, ds, 1, T, ns),
+...                 ctx.new_tensor_1d(mg.i32, ns), K=2)
+>>> y.ne[0] == hd * nh * T * ns + 2 * ds * hd * nh * ns
+True
+""")
 def ssm_scan(s, x, dt, A, B, C, ids, K=1):
+    """ggml_ssm_scan (Mamba-2's selective scan) from the states s[ids]; packs y, then the states
+    after the last K tokens (slot 0 = the final state, slot j = j tokens before the end)."""
     return build("SSM_SCAN", s=s, x=x, dt=dt, A=A, B=B, C=C, ids=ids, K=K)
 
 
 @op("GATED_DELTA_NET", srcs=("q", "k", "v", "g", "beta", "state"), params={"K": int}, split="gated_delta_net",
-    ggml=GgmlCall("gated_delta_net", ("q", "k", "v", "g", "beta", "state", "K"), ctypes={"K": "int64_t"}))
+    ggml=GgmlCall("gated_delta_net", ("q", "k", "v", "g", "beta", "state", "K"), ctypes={"K": "int64_t"}),
+    shape="q, k: [S, H_k, T, n_k] with H % H_k == 0, n_seqs % n_k == 0; v: [S, H, T, n_seqs]; "
+          "g: [1 or S, H, T, n_seqs]; beta: [1, H, T, n_seqs]; state: [S, S, H, n_seqs] "
+          "-> [S*H, T*n_seqs + K*S*n_seqs] (outputs, then K state snapshots)")
 def _gdn_rule(q, k, v, g, beta, state, K):
     name = "GATED_DELTA_NET"
     for t in (q, k, v, g, beta, state):
@@ -151,5 +178,14 @@ def _gdn_ref(node, q, k, v, g, beta, state):
     return flat.reshape(tuple(reversed(node.ne)))
 
 
+@public("GATED_DELTA_NET", """
+>>> S, H, T, ns = 8, 2, 3, 1
+>>> qkv = [ctx.new_tensor_4d(mg.f32, S, H, T, ns) for _ in range(3)]
+>>> g, beta = ctx.new_tensor_4d(mg.f32, 1, H, T, ns), ctx.new_tensor_4d(mg.f32, 1, H, T, ns)
+>>> mg.gated_delta_net(*qkv, g, beta, ctx.new_tensor_4d(mg.f32, S, S, H, ns), K=2).ne
+(16, 19, 1, 1)
+""")
 def gated_delta_net(q, k, v, g, beta, state, K=1):
+    """ggml_gated_delta_net: the gated delta rule per head, from state; packs the outputs, then
+    the states after the last K tokens (slot 0 = the final state)."""
     return build("GATED_DELTA_NET", q=q, k=k, v=v, g=g, beta=beta, state=state, K=K)

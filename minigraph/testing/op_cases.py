@@ -252,7 +252,7 @@ def _(rng):
 
 @case("SET_ROWS", "overlapping_windows_into_permuted_slots", exact=True)
 def _(rng):
-    """seed 000's conv-state store, in small: overlapping source rows, permuted destination."""
+    """The conv-state store, in small: overlapping source rows, permuted destination."""
     b = Built(Context())
     n_cols, n, ch, n_seqs, K, mem = 3, int(rng.integers(1, 6)), 2, 2, 3, 4
     kw = min(n, K)
@@ -360,7 +360,7 @@ def _(rng):
 
 @case("SCALE", "slot_order_chain", exact=True)
 def _(rng):
-    """seed 000's slot order: arange -> scale_bias(-1, K-1) -> cast(i32) -> tail view."""
+    """The per-layer slot order: arange -> scale_bias(-1, K-1) -> cast(i32) -> tail view."""
     b = Built(Context())
     K = int(rng.integers(1, 9))
     kw = int(rng.integers(1, K + 1))

@@ -1,4 +1,5 @@
-"""The op table of the README, generated from the registry and the op test table:
+"""The op table of the README, generated from the registry (each op's declaration, its shape rule
+in words included) and the op test table:
 
     python -m minigraph.testing.optable
 
@@ -7,13 +8,9 @@ the core never imports the test layer."""
 from __future__ import annotations
 
 from minigraph import ops as _ops  # noqa: F401  (fills the registry)
+from minigraph.ops.public import source_roles
 from minigraph.registry import OPS, GgmlCall, NotInGgml
 from minigraph.testing.op_cases import CASES
-
-
-def _source(s) -> str:
-    roles = [r for r, on in (("optional", s.optional), ("dest", s.dest), ("inplace", s.inplace)) if on]
-    return s.name + (f" ({', '.join(roles)})" if roles else "")
 
 
 def _ggml(d) -> str:
@@ -25,15 +22,17 @@ def _ggml(d) -> str:
 
 
 def markdown_table() -> str:
-    rows = ["| op | sources (ggml src order) | params | kind | ggml | meta split | test cases |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| op | sources (ggml src order) | params | shape (ne order) | kind | ggml | meta split | test cases |",
+            "|---|---|---|---|---|---|---|---|"]
     for name in sorted(OPS):
         d = OPS[name]
         params = ", ".join(f"{p}: {t.__name__}" for p, t in d.params.items()) or "-"
         kind = "view" if d.is_view else "compute"
         n = sum(1 for c in CASES if c.op == name)
-        srcs = ", ".join(_source(s) for s in d.sources) or "-"
-        rows.append(f"| `{name}` | {srcs} | {params} | {kind} | {_ggml(d)} | {d.split or '-'} | {n} |")
+        srcs = source_roles(d) if d.sources else "-"
+        # a code span keeps '*' literal; a '|' would still end the cell
+        shape = "`" + d.shape.replace("|", "\\|") + "`" if d.shape else "-"
+        rows.append(f"| `{name}` | {srcs} | {params} | {shape} | {kind} | {_ggml(d)} | {d.split or '-'} | {n} |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,6 @@
 """Independent sequential NumPy references for the model graphs in models/.
 
-Written from the math (REFERENCE §6, §11), not from the graph code: one token at a time, float64,
+Written from the math of each architecture, not from the graph code: one token at a time, float64,
 explicit loops/einsums, each sequence with its own conv window and recurrent state. Weights are
 read by their GGUF names, as NumPy arrays (reversed ggml ne), so W @ x applies a [n_in, n_out]
 (ne) matrix to a vector of n_in.
@@ -96,7 +96,7 @@ MAX_ERR: dict = {}  # what the tests measured, by (model arch, what): the larges
 
 
 class PreNormFfnRef:
-    """The whole-model loop LFM2 and KDA share (REFERENCE §11): per block a pre-RMS-norm mixer and a
+    """The whole-model loop LFM2 and KDA share (llama.cpp's layout): per block a pre-RMS-norm mixer and a
     SwiGLU feed-forward, each added to the residual; a final norm (named by ``final_norm``) and the
     output head. Subclasses provide ``mixer(il, u, state) -> (out, new state)``."""
 

@@ -1,5 +1,5 @@
-"""Sequential NumPy gated delta-net (Qwen3.5, llama.cpp arch `qwen35`), from the math of
-REFERENCE §6.3, §6.4, §7.2 and §11 — one token at a time, float64.
+"""Sequential NumPy gated delta-net (Qwen3.5, llama.cpp arch `qwen35`), from the math
+(the gated delta rule, ggml's conv and llama.cpp's tensor names) — one token at a time, float64.
 
 Per layer and sequence the state is
   conv window  W[c, ch]   (c = 0..d_conv-2, oldest first) of the conv channels q|k|v,
@@ -20,7 +20,7 @@ Per token (x_t = input of the block):
   out    = x + ffn_down @ (silu(ffn_gate @ f) * (ffn_up @ f)),  f = rms_norm(x) * post_attention_norm
 Final rms_norm * output_norm, then the output head.
 
-Cache layouts (REFERENCE §4.1, §6.4): r row = W transposed, element (c, ch) at c + ch*(d_conv-1);
+Cache layouts: r row = W transposed, element (c, ch) at c + ch*(d_conv-1);
 s row = ggml [S_v (i), S_v (j), H] i.e. memory M[h][j][i] = S[h, i, j]: NumPy S.transpose(0, 2, 1)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """An independent, sequential NumPy reference for Kimi-Linear with KDA blocks and dense FFNs,
-written from the math (REFERENCE §6.4, §6.5, §7.2, §11), not from the graph code: one token at a
+written from the math, not from the graph code: one token at a
 time, in float64, explicit conv windows and an explicit delta-rule state per head and sequence.
 
 Weights are given by their GGUF names as NumPy arrays in NumPy order (the reverse of ggml's ne):

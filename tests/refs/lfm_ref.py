@@ -1,5 +1,5 @@
-"""An independent, sequential NumPy reference for LFM2 with short-conv blocks, written from the math
-(REFERENCE §6.2, §7.2, §11), not from the graph code: one token at a time, in float64, with an
+"""An independent, sequential NumPy reference for LFM2 with short-conv blocks, written from the math,
+not from the graph code: one token at a time, in float64, with an
 explicit conv window and an explicit state per sequence.
 
 Weights are given by their GGUF names as NumPy arrays in NumPy order (the reverse of ggml's ne):

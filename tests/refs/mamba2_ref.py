@@ -1,5 +1,5 @@
-"""Sequential NumPy Mamba-2 (llama.cpp arch `mamba2`), from the math of REFERENCE §6.1, §7.2,
-§7.3 and §11 — one token at a time, float64.
+"""Sequential NumPy Mamba-2 (llama.cpp arch `mamba2`), from the math
+(selective scan, ggml's conv and llama.cpp's tensor names) — one token at a time, float64.
 
 Per layer and sequence the state is
   conv window  W[c, ch]  (c = 0..d_conv-2, oldest first) of the conv input channels x|B|C,
@@ -17,7 +17,7 @@ Per token (x_t = input of the block):
   out    = x_t + ssm_out @ y
 No feed-forward; final rms_norm * output_norm, then the output head.
 
-Cache layouts (REFERENCE §4.1, §7.3): r row = W transposed, element (c, ch) at c + ch*(d_conv-1);
+Cache layouts: r row = W transposed, element (c, ch) at c + ch*(d_conv-1);
 s row = ggml [d_state, head_dim, n_head] = NumPy H[h, p, n] flattened."""
 from __future__ import annotations
 
