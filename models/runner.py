@@ -15,7 +15,6 @@ copies the whole cache instead (the old way, for comparison), `atomic=False` cop
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import minigraph as mg
+from minigraph import env
 
 from .batch import Batch, BatchAllocr
 from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult
@@ -106,10 +106,8 @@ class Runner:
         self.backends = list(backends) if backends else default_backends(model)
         self.memory = RecurrentMemory(model.layers, model.n_embd_r, model.n_embd_s, mem_size,
                                       self.n_rs_seq, {il: model.layer_devices[il] for il in model.layers})
-        env_reuse = os.environ.get("MINIGRAPH_GRAPH_REUSE", "1").strip() not in ("0", "")
-        self.reuse = env_reuse if reuse is None else reuse
-        env_check = os.environ.get("MINIGRAPH_GRAPH_REUSE_CHECK", "0").strip() not in ("0", "")
-        self.validate = env_check if validate is None else validate
+        self.reuse = env.get("MINIGRAPH_GRAPH_REUSE") if reuse is None else reuse
+        self.validate = env.get("MINIGRAPH_GRAPH_REUSE_CHECK") if validate is None else validate
         self.atomic = atomic_mode(atomic)
         self._journal = None             # the undo journal of the step in progress
         self.prev: GraphResult | None = None
