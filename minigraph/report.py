@@ -35,10 +35,10 @@ def copy_reason(t) -> str:
     """Why tensor t is copied to another device, judged by what t is (see COPY_REASONS)."""
     root = t.root()
     names = (t.name or "", root.name or "")
+    if any("slot" in n for n in names):   # before "input": host-input's slot order is an input too
+        return "slot order"
     if t.is_input or root.is_input:
         return "input"
-    if any("slot" in n for n in names):
-        return "slot order"
     gathered = t.srcs.get("a") if t.op == "GET_ROWS" else None
     if root.name and root.name.startswith("cache_") or \
             gathered is not None and (gathered.root().name or "").startswith("cache_"):

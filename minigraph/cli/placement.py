@@ -123,7 +123,7 @@ def _draw(res, args) -> list:
 def cmd_placement(args):
     from minigraph.models.graph import SLOT_ORDERS
     _check_drawing_flags(args)
-    devices, model, label = setup(args, runners=3 if args.compare else 1)
+    devices, model, label = setup(args, runners=3 if args.compare else 1, max_tokens=4)
     strategies = list(SLOT_ORDERS) if args.compare else [args.slot_order]
     results = {s: _placement(model, devices, args, s) for s in strategies}
     written = _draw(results[strategies[0]][0], args) if (args.dot or args.png) else []

@@ -57,7 +57,7 @@ def _run_mode(model, devices, args, mode, stream):
 
 
 def cmd_reuse(args):
-    devices, model, label = setup(args, runners=3, state_copies=1)   # validated: one snapshot
+    devices, model, label = setup(args, runners=3, state_copies=1, max_tokens=6)   # validated: one snapshot
     rng = np.random.default_rng(args.seed or 0)
     stream = [[int(x) for x in rng.integers(0, model.n_vocab, 6)]]
     for i in range(args.steps):

@@ -41,7 +41,8 @@ def _state_bytes(runner) -> bytes:
 
 def cmd_run(args):
     from minigraph.models.runner import DecodeError
-    devices, model, label = setup(args, runners=2)
+    longest_draft = args.draft if args.draft is not None else max(args.n_rs_seq, 1)
+    devices, model, label = setup(args, runners=2, max_tokens=max(8, longest_draft))
     rng = np.random.default_rng(args.seed or 0)
     r = make_runner(model, devices, args)
     draft = args.draft if args.draft is not None else max(r.n_rs_seq, 1)

@@ -59,8 +59,10 @@ def _probe_maker(args):
     return lambda dev, n: cls(devices=dev, n_layer=n, seed=0), args.layers or default, cls
 
 
-def setup(args, runners: int, state_copies: int = 0):
+def setup(args, runners: int, state_copies: int = 0, max_tokens: int | None = None):
     """Check the model flags, estimate the memory, then make the devices and the model.
+    runners, state_copies: how many recurrent memories the command keeps (for the estimate);
+    max_tokens: the most tokens one decode call of the command holds (a ubatch is never larger).
     Returns (devices, model, label); label names the model in outputs."""
     from minigraph.models.zoo import UsageError, file_arch, make_model, parse_devices, zoo_name
     from . import memory
@@ -75,7 +77,8 @@ def setup(args, runners: int, state_copies: int = 0):
                  f"{args.devices} (each device needs at least one layer)")
         n_rs_seq = args.n_rs_seq if getattr(cls, "supports_rollback", False) and getattr(cls, "causal", True) else 0
         _check_ubatch(args, n_rs_seq)
-        est = memory.estimate(make_probe, n_layer, n_rs_seq, args.ubatch, runners, state_copies)
+        tokens = args.ubatch if max_tokens is None else min(args.ubatch, max_tokens)
+        est = memory.estimate(make_probe, n_layer, n_rs_seq, tokens, runners, state_copies)
         memory.check(est, args.max_memory, "--n-rs-seq, --layers or --ubatch")
         if args.threads:
             for d in devices:
