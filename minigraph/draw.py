@@ -107,7 +107,7 @@ def draw(gf, path: str, sched=None, only=None) -> list[str]:
     nx.draw_networkx_edges(g, pos, edgelist=copies, ax=ax, arrows=True, edge_color="red", style="dashed")
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=_colour(d, devices), label=d) for d in devices] +
-              [Patch(color="red", label="cross-device copy")], loc="upper right", fontsize=MIN_FONT_PT)
+              [Patch(color="red", label="cross-device copy")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=MIN_FONT_PT)   # beside the graph, never over a node
     ax.set_title("nodes coloured by device" if devices else "unscheduled", fontsize=MIN_FONT_PT + 2)
     ax.axis("off")
     fig.savefig(path, dpi=100, bbox_inches="tight")

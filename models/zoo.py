@@ -91,7 +91,9 @@ def gguf_model_info(path: str) -> tuple[str, type, dict]:
         cls = gguf_class(arch)
         return arch, cls, _hparams_from_file(cls, arch, kv)
     except (GGUFError, ValueError, OSError) as e:
-        raise UsageError(f"--gguf {path}: {e}") from None
+        why = str(e)
+        why = why[len(str(path)) + 2:] if why.startswith(f"{path}: ") else why
+        raise UsageError(f"--gguf {path}: {why}") from None
 
 
 def make_model(name: str | None, devices: list, seed: int = 0, gguf: str | None = None, **kw):

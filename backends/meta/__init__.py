@@ -361,8 +361,9 @@ class MetaBackend(Backend):
         rep = self.split_report(gf, sched)
         out = [f"split states on {rep['device']} over {', '.join(rep['devices'])}:",
                format_states(rep["tensors"]),
-               f"all-reduces per step: {len(rep['all_reduces'])} ({rep['all_reduce_bytes']} bytes moved)"
-               + (": " + ", ".join(rep["all_reduces"]) if rep["all_reduces"] else "")]
+               f"all-reduces per step: {len(rep['all_reduces'])}"
+               + (": " + ", ".join(rep["all_reduces"]) if rep["all_reduces"] else "")
+               + f" ({rep['all_reduce_bytes']} bytes moved)"]
         return "\n".join(out)
 
 
