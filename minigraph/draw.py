@@ -14,9 +14,25 @@ def _colour(device, devices):
     return PALETTE[devices.index(device) % len(PALETTE)]
 
 
-def to_dot(gf, sched=None) -> str:
-    """DOT text of gf; ``sched`` as in Graph.to_networkx (default: gf's newest live schedule)."""
-    g = gf.to_networkx(sched)
+MIN_FONT_PT = 9       # matplotlib labels smaller than this cannot be read on a printed page
+
+
+def focused(g, only):
+    """The part of g to draw: every vertex when ``only`` is None, else the tensor ids in ``only``
+    and their direct sources and consumers (so each kept node shows what it reads and feeds)."""
+    if only is None:
+        return g
+    keep = set(i for i in only if i in g)
+    for i in list(keep):
+        keep.update(g.predecessors(i))
+        keep.update(g.successors(i))
+    return g.subgraph(keep)
+
+
+def to_dot(gf, sched=None, only=None) -> str:
+    """DOT text of gf; ``sched`` as in Graph.to_networkx (default: gf's newest live schedule);
+    ``only``: tensor ids to draw (with their neighbours), None for all."""
+    g = focused(gf.to_networkx(sched), only)
     devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
     lines = ["digraph minigraph {", "  rankdir=TB; node [shape=box, style=filled, fontname=monospace];"]
     for nid, d in g.nodes(data=True):
@@ -37,11 +53,23 @@ def to_dot(gf, sched=None) -> str:
     return "\n".join(lines)
 
 
-def draw(gf, path: str, sched=None) -> list[str]:
-    """Write ``path`` as DOT (``.dot``) or PNG (``.png``; the DOT is written beside it).
-    ``sched`` (a Scheduler or ScheduledGraph) colours nodes by device; by default gf's newest
-    live schedule does. Returns the files written."""
-    dot = to_dot(gf, sched)
+def png_tool() -> str | None:
+    """What draws a PNG here: "graphviz" (its dot program), "matplotlib", or None."""
+    if shutil.which("dot"):
+        return "graphviz"
+    try:
+        import matplotlib  # noqa: F401
+        return "matplotlib"
+    except ImportError:
+        return None
+
+
+def draw(gf, path: str, sched=None, only=None) -> list[str]:
+    """Write ``path`` as DOT (``.dot``) or PNG (``.png``; its DOT source is written beside it,
+    with the same name ending in ``.dot``). ``sched`` (a Scheduler or ScheduledGraph) colours
+    nodes by device; by default gf's newest live schedule does. ``only``: tensor ids to draw
+    (with their neighbours). Returns the files written, the DOT first."""
+    dot = to_dot(gf, sched, only)
     if not path.endswith(".png"):
         with open(path, "w") as f:
             f.write(dot)
@@ -58,9 +86,9 @@ def draw(gf, path: str, sched=None) -> list[str]:
         import matplotlib.pyplot as plt
         import networkx as nx
     except ImportError:
-        raise RuntimeError("PNG needs Graphviz's dot or matplotlib (pip install 'minigraph[viz]'); "
-                           f"the DOT file was written to {dot_path}") from None
-    g = gf.to_networkx(sched)
+        raise RuntimeError("PNG needs Graphviz's dot program (apt-get install graphviz) or matplotlib "
+                           f"(pip install 'minigraph[viz]'); the DOT file was written to {dot_path}") from None
+    g = focused(gf.to_networkx(sched), only)
     devices = sorted({d.get("device") for _, d in g.nodes(data=True) if d.get("device")})
     layers = _layers(g)
     by_layer: dict = {}
@@ -68,9 +96,10 @@ def draw(gf, path: str, sched=None) -> list[str]:
         by_layer.setdefault(l, []).append(n)
     width = max(len(v) for v in by_layer.values())
     pos = {n: (j - (len(v) - 1) / 2, -l) for l, v in by_layer.items() for j, n in enumerate(v)}
-    fig, ax = plt.subplots(figsize=(min(40, max(8, width * 1.6)), min(120, max(6, len(by_layer) * 0.45))))
+    # room for MIN_FONT_PT labels: about 1.8 inch per node across, 0.5 inch per layer down
+    fig, ax = plt.subplots(figsize=(min(60, max(8, width * 1.8)), min(160, max(6, len(by_layer) * 0.5))))
     nx.draw_networkx_nodes(g, pos, ax=ax, node_color=[_colour(d.get("device"), devices) for _, d in g.nodes(data=True)])
-    nx.draw_networkx_labels(g, pos, ax=ax, font_size=5,
+    nx.draw_networkx_labels(g, pos, ax=ax, font_size=MIN_FONT_PT,
                             labels={n: (d["name"] or d["op"].lower()) for n, d in g.nodes(data=True)})
     normal = [(u, v) for u, v, d in g.edges(data=True) if not d.get("copy")]
     copies = [(u, v) for u, v, d in g.edges(data=True) if d.get("copy")]
@@ -78,10 +107,10 @@ def draw(gf, path: str, sched=None) -> list[str]:
     nx.draw_networkx_edges(g, pos, edgelist=copies, ax=ax, arrows=True, edge_color="red", style="dashed")
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=_colour(d, devices), label=d) for d in devices] +
-              [Patch(color="red", label="cross-device copy")], loc="upper right")
-    ax.set_title("nodes coloured by device" if devices else "unscheduled")
+              [Patch(color="red", label="cross-device copy")], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=MIN_FONT_PT)   # beside the graph, never over a node
+    ax.set_title("nodes coloured by device" if devices else "unscheduled", fontsize=MIN_FONT_PT + 2)
     ax.axis("off")
-    fig.savefig(path, dpi=72, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return [dot_path, path]
 

@@ -21,6 +21,33 @@ class SplitInfo:
     inputs: list
 
 
+# why a tensor crosses devices, by what the copied tensor is (copy_reason)
+COPY_REASONS = {
+    "input": "a graph input (filled by the host) read on another device",
+    "slot order": "a conv layer's slot order, built on one device and read by a store on another",
+    "state gather": "recurrent state (a cache or the rows gathered from it) read on another device",
+    "weights": "weights read on a device that cannot use their buffer",
+    "layer boundary": "an activation passed from one layer's device to the next",
+}
+
+
+def copy_reason(t) -> str:
+    """Why tensor t is copied to another device, judged by what t is (see COPY_REASONS)."""
+    root = t.root()
+    names = (t.name or "", root.name or "")
+    if any("slot" in n for n in names):   # before "input": host-input's slot order is an input too
+        return "slot order"
+    if t.is_input or root.is_input:
+        return "input"
+    gathered = t.srcs.get("a") if t.op == "GET_ROWS" else None
+    if root.name and root.name.startswith("cache_") or \
+            gathered is not None and (gathered.root().name or "").startswith("cache_"):
+        return "state gather"
+    if t.is_weight or root.is_weight or (root.buffer is not None and root.buffer.usage == "weights"):
+        return "weights"
+    return "layer boundary"
+
+
 @dataclass
 class CopyInfo:
     tensor: str
@@ -30,6 +57,11 @@ class CopyInfo:
     nbytes: int
     first_split: int
     used_by_splits: list      # a copy is made once per graph and device, then reused
+    reason: str = ""          # why it exists: one of COPY_REASONS
+
+    @property
+    def reason_text(self) -> str:
+        return COPY_REASONS.get(self.reason, self.reason)
 
     @property
     def reused(self) -> bool:
@@ -75,7 +107,7 @@ class PlacementReport:
             s = sg.copy_src[c.id]
             users = sg.copy_users.get(c.id, [])
             r.copies.append(CopyInfo(label(s), c.name, dev(s), sg.backends[b].name, s.nbytes(),
-                                     min(users) if users else -1, users))
+                                     min(users) if users else -1, users, copy_reason(s)))
         r.copies.sort(key=lambda c: (c.first_split, c.tensor))
         return r
 
@@ -100,10 +132,12 @@ class PlacementReport:
                        + (": " + " ".join(f"[{i}]" for i in s.inputs) if s.inputs else ""))
             out.append("   nodes: " + ", ".join(s.nodes))
         if self.copies:
-            out.append(f"{'copy':40s} {'from':8s} {'to':8s} {'bytes':>10s}  used by splits")
+            out.append(f"{'copy':28s} {'of tensor':28s} {'from':8s} {'to':8s} {'bytes':>10s}  "
+                       f"{'why':15s} used by splits")
             for c in self.copies:
-                out.append(f"{c.tensor[:40]:40s} {c.src_device:8s} {c.dst_device:8s} {c.nbytes:10d}  "
-                           f"{c.used_by_splits}{'  (copied once, reused)' if c.reused else ''}")
+                out.append(f"{c.copy[:28]:28s} {c.tensor[:28]:28s} {c.src_device:8s} {c.dst_device:8s} "
+                           f"{c.nbytes:10d}  {c.reason:15s} {c.used_by_splits}"
+                           f"{'  (copied once, reused)' if c.reused else ''}")
         if nodes:
             out.append(f"{'node':40s} {'op':16s} {'device':8s} cause")
             for n in self.leafs + self.nodes:

@@ -7,10 +7,10 @@ real byte copy. Every assignment records ggml's cause code (usr, 1.dst, 1.inp, 1
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 
+from . import env
 from .backend import Backend
 from .errors import OpError
 from .registry import OPS
@@ -266,6 +266,7 @@ class Scheduler:
         first = next((i for i, n in enumerate(nodes) if not is_view_op(n)), 0)
         cur = self.assign[nodes[first].id] if nodes else self.last
         split = Split(cur, 0)
+        copy_names: dict[str, int] = {}
         for i, n in enumerate(nodes):
             if is_view_op(n):
                 split.nodes.append(n)
@@ -291,7 +292,11 @@ class Scheduler:
                 if sb != cur and not self._buffer_supported(s, cur):
                     key = (s.id, cur)
                     if key not in sg.copies:
-                        c = Tensor(None, s.type, s.ne, s.nb, name=f"{self.backends[cur].name}#{s.name or s.label}#0")
+                        # "device#name#k": k tells apart copies of tensors that share a name
+                        # (each layer's slot_order), so every copy in a report has its own name
+                        base = f"{self.backends[cur].name}#{s.name or f'{s.op.lower()}_{s.id}'}"
+                        k = copy_names[base] = copy_names.get(base, -1) + 1
+                        c = Tensor(None, s.type, s.ne, s.nb, name=f"{base}#{k}")
                         sg.copies[key] = c
                         sg.copy_src[c.id] = s
                         sg.cause[c.id] = "4.cpy"
@@ -396,7 +401,7 @@ class Scheduler:
         return self.scheduled.placement_report()
 
     def _debug_print(self):
-        level = int(os.environ.get("MINIGRAPH_SCHED_DEBUG", "0") or 0)
+        level = env.get("MINIGRAPH_SCHED_DEBUG")
         if level <= 0:
             return
         import sys

@@ -16,6 +16,45 @@ from .conv_state import build_slot_rev, conv_state_store, slot_order_tail
 SLOT_ORDERS = ("per-layer", "shared-first-layer", "host-input")
 
 
+class ReuseVerdict:
+    """The answer to "can the previous graph be reused?", usable as a bool (true: reuse it) that
+    also says why not: `reason` names the first reuse rule that failed, e.g. "ubatch shape:
+    n_tokens 1 -> 2" or "head: 0 -> 1" ("" when the graph can be reused)."""
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str = ""):
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return not self.reason
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (bool, ReuseVerdict)):
+            return bool(self) == bool(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "ReuseVerdict(reusable)" if self else f"ReuseVerdict({self.reason!r})"
+
+    @classmethod
+    def of(cls, answer, rule: str) -> "ReuseVerdict":
+        """A verdict from what a can_reuse returned: a verdict as it is, a plain bool (older
+        inputs) as "reusable" or "`rule` said no"."""
+        if isinstance(answer, ReuseVerdict):
+            return answer
+        return cls("" if answer else f"{rule} said no")
+
+
+REUSABLE = ReuseVerdict()
+
+
+def _differs(rule: str, old, new) -> ReuseVerdict:
+    """The verdict of one rule comparing what the graph was built for (old) with what is asked (new)."""
+    return REUSABLE if old == new else ReuseVerdict(f"{rule}: {old} -> {new}")
+
+
 @dataclass
 class GraphParams:
     """What a graph was built for (llm_graph_params); reuse compares two of these."""
@@ -26,17 +65,24 @@ class GraphParams:
     slot_order: str
     n_outputs: int
 
-    def allow_reuse(self, other: "GraphParams") -> bool:
+    def allow_reuse(self, other: "GraphParams") -> ReuseVerdict:
         """llama.cpp's allow_reuse: same ubatch shape, same unique seq ids (equal splits),
-        same outputs, same architecture and graph-shaping parameters."""
+        same outputs, same architecture and graph-shaping parameters. The verdict names the
+        first rule that fails (falsy), in the order checked below."""
         a, b = self.ubatch, other.ubatch
-        same_shape = (a.equal_seqs == b.equal_seqs and a.n_tokens == b.n_tokens and
-                      a.n_seq_tokens == b.n_seq_tokens and a.n_seqs == b.n_seqs and
-                      a.n_seqs_unq == b.n_seqs_unq)
-        if same_shape and a.equal_seqs:
-            same_shape = list(a.seq_id_unq) == list(b.seq_id_unq)
-        return (same_shape and self.n_outputs == other.n_outputs and self.arch == other.arch and
-                self.n_rs_seq == other.n_rs_seq and self.slot_order == other.slot_order)
+        for field_name in ("equal_seqs", "n_tokens", "n_seq_tokens", "n_seqs", "n_seqs_unq"):
+            v = _differs(f"ubatch shape ({field_name})", getattr(a, field_name), getattr(b, field_name))
+            if not v:
+                return v
+        if a.equal_seqs and list(a.seq_id_unq) != list(b.seq_id_unq):
+            return ReuseVerdict(f"ubatch sequences: {list(a.seq_id_unq)} -> {list(b.seq_id_unq)}")
+        for rule, old, new in (("outputs", self.n_outputs, other.n_outputs), ("params (arch)", self.arch, other.arch),
+                               ("params (n_rs_seq)", self.n_rs_seq, other.n_rs_seq),
+                               ("params (slot order)", self.slot_order, other.slot_order)):
+            v = _differs(rule, old, new)
+            if not v:
+                return v
+        return REUSABLE
 
 
 class GraphInput:
@@ -46,7 +92,9 @@ class GraphInput:
     def set_input(self, ubatch):
         raise NotImplementedError
 
-    def can_reuse(self, params: GraphParams) -> bool:
+    def can_reuse(self, params: GraphParams) -> ReuseVerdict:
+        """Truthy when this input fits params; a falsy ReuseVerdict says which rule failed (a
+        plain bool is accepted too)."""
         raise NotImplementedError
 
 
@@ -58,7 +106,7 @@ class InputTokens(GraphInput):
         self.tokens.set(np.asarray(ubatch.token, np.int32))
 
     def can_reuse(self, params):
-        return self.tokens.ne[0] == params.ubatch.n_tokens
+        return _differs("tokens (n_tokens)", self.tokens.ne[0], params.ubatch.n_tokens)
 
 
 class InputRS(GraphInput):
@@ -82,9 +130,14 @@ class InputRS(GraphInput):
     def can_reuse(self, params):
         self.mctx = params.mctx                          # rebind first, as llama.cpp does
         n_rs, n_seqs = params.mctx.get_n_rs(), params.ubatch.n_seqs
-        return (self.s_copy.ne[0] == n_rs and self.s_copy_main.ne[0] == n_seqs and
-                self.s_copy_tail.ne[0] == n_rs - n_seqs and self.head == params.mctx.get_head() and
-                self.rs_z == params.mctx.get_rs_z())
+        for rule, old, new in (("n_rs", self.s_copy.ne[0], n_rs), ("n_rs (main)", self.s_copy_main.ne[0], n_seqs),
+                               ("n_rs (tail)", self.s_copy_tail.ne[0], n_rs - n_seqs),
+                               ("head", self.head, params.mctx.get_head()),
+                               ("rs_z", self.rs_z, params.mctx.get_rs_z())):
+            v = _differs(rule, old, new)
+            if not v:
+                return v
+        return REUSABLE
 
 
 @dataclass
@@ -97,15 +150,18 @@ class GraphResult:
     sched: object = None
     copy_stats: tuple = (0, 0)      # (copies, bytes) per compute
 
-    def can_reuse(self, params: GraphParams) -> bool:
-        if not self.params.allow_reuse(params):
-            return False
-        ok = True
+    def can_reuse(self, params: GraphParams) -> ReuseVerdict:
+        """Truthy when this graph can run params' ubatch; else the first failed rule's verdict."""
+        verdict = self.params.allow_reuse(params)
+        if not verdict:
+            return verdict
         for inp in self.inputs:          # every input is asked, so every one rebinds its mctx
-            ok = inp.can_reuse(params) and ok
-        if ok:
+            v = ReuseVerdict.of(inp.can_reuse(params), type(inp).__name__)
+            if verdict and not v:
+                verdict = v              # the first failure is the reason
+        if verdict:
             self.params = params
-        return ok
+        return verdict
 
     def set_inputs(self, ubatch):
         for inp in self.inputs:

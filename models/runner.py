@@ -15,7 +15,6 @@ copies the whole cache instead (the old way, for comparison), `atomic=False` cop
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,9 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import minigraph as mg
+from minigraph import env
+from minigraph.sched import is_view_op
 
 from .batch import Batch, BatchAllocr
-from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult
+from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult, ReuseVerdict
 from .memory import RecurrentMemory
 from .step_journal import JOURNALS
 
@@ -53,6 +54,7 @@ class Stats:
     host_s_reuse: float = 0.0        # reuse check (reused steps)
     copies: list = field(default_factory=list)      # per ubatch: (n copies, bytes)
     steps: int = 0                   # atomic steps run (decode / speculative_step calls)
+    rebuild_reasons: list = field(default_factory=list)   # per build, why the previous graph was not reused
     snapshot_bytes: int = 0          # state bytes the undo journals copied, all steps together
 
 
@@ -90,6 +92,29 @@ def default_backends(model) -> list:
     return seen
 
 
+def node_by_node(res: GraphResult) -> list:
+    """Compute res's graph one node at a time on its devices, as its schedule says (a split's
+    inputs are copied in first); returns (label, op, values) per computed node, in graph order."""
+    sched = res.sched
+    sg = sched.alloc_graph(res.gf)
+    out = []
+    with sg.reading():
+        for sp in sg.splits:
+            dst = sched.backends[sp.backend]
+            for s in sp.inputs:
+                c = sg.copies[(s.id, sp.backend)]
+                src_buf, src_offs = s.storage()
+                dst_buf, dst_offs = c.storage()
+                dst.set_bytes(dst_buf, dst_offs, src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes()))
+            for n in sp.nodes:
+                dst.compute_nodes([n])           # a fresh one-node list: its own plan, no cache
+                if is_view_op(n):
+                    continue                     # views compute nothing of their own
+                buf, _ = n.storage()
+                out.append((n.name or n.label, n.op, np.array(buf.backend.read_tensor(n))))
+    return out
+
+
 class Runner:
     def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
                  slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
@@ -106,14 +131,18 @@ class Runner:
         self.backends = list(backends) if backends else default_backends(model)
         self.memory = RecurrentMemory(model.layers, model.n_embd_r, model.n_embd_s, mem_size,
                                       self.n_rs_seq, {il: model.layer_devices[il] for il in model.layers})
-        env_reuse = os.environ.get("MINIGRAPH_GRAPH_REUSE", "1").strip() not in ("0", "")
-        self.reuse = env_reuse if reuse is None else reuse
-        env_check = os.environ.get("MINIGRAPH_GRAPH_REUSE_CHECK", "0").strip() not in ("0", "")
-        self.validate = env_check if validate is None else validate
+        self.reuse = env.get("MINIGRAPH_GRAPH_REUSE") if reuse is None else reuse
+        self.validate = env.get("MINIGRAPH_GRAPH_REUSE_CHECK") if validate is None else validate
         self.atomic = atomic_mode(atomic)
         self._journal = None             # the undo journal of the step in progress
         self.prev: GraphResult | None = None
+        self.no_prev_reason = "first graph"   # why prev is None (a rebuild's reason then)
         self.stats = Stats()
+
+    def forget_graph(self, reason: str):
+        """Drop the previous graph: the next ubatch is built afresh, and `reason` is the rebuild's."""
+        self.prev = None
+        self.no_prev_reason = reason
 
     # -- one ubatch -------------------------------------------------------------------------
     def _build(self, params: GraphParams) -> GraphResult:
@@ -148,7 +177,7 @@ class Runner:
             yield journal
         except BaseException:
             journal.undo()
-            self.prev = None             # a graph may hold inputs set for the undone step
+            self.forget_graph("the previous step failed and was undone")   # its inputs are stale
             raise
         finally:
             self._journal = None
@@ -162,7 +191,7 @@ class Runner:
             try:
                 return self._compute_ubatch(ub, journal)
             except BaseException:
-                self.prev = None
+                self.forget_graph("the previous ubatch failed")
                 raise
 
     def _compute_ubatch(self, ub, journal) -> np.ndarray:
@@ -172,7 +201,8 @@ class Runner:
             journal.before_ubatch(ub)        # the rows this graph may write, before it writes them
         params = GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens)
         t0 = time.perf_counter()
-        reused = self.reuse and self.prev is not None and self.prev.can_reuse(params)
+        verdict = self.reuse_verdict(params)
+        reused = bool(verdict)
         if reused:
             res = self.prev
             self.stats.reuses += 1
@@ -181,20 +211,30 @@ class Runner:
             self.prev = None
             res = self._build(params)
             self.stats.builds += 1
+            self.stats.rebuild_reasons.append(verdict.reason)
+            log.debug("graph rebuilt: %s", verdict.reason)
             self.stats.host_s_build += time.perf_counter() - t0
         before = self.memory.snapshot() if (reused and self.validate) else None
         res.set_inputs(ub)
         res.sched.graph_compute(res.gf)
         logits = res.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
         if before is not None:
-            self._validate(params, ub, before, logits)
+            self._validate(params, ub, before, logits, res)
         self.prev = res
         self.stats.copies.append(res.copy_stats)
         self.stats.ubatches += 1
         self.stats.tokens += ub.n_tokens
         return logits
 
-    def _validate(self, params, ub, before, logits):
+    def reuse_verdict(self, params: GraphParams) -> ReuseVerdict:
+        """Whether the previous graph can run params' ubatch, and if not, why (see can_reuse)."""
+        if not self.reuse:
+            return ReuseVerdict("graph reuse is off")
+        if self.prev is None:
+            return ReuseVerdict(self.no_prev_reason)
+        return ReuseVerdict.of(self.prev.can_reuse(params), "GraphResult.can_reuse")
+
+    def _validate(self, params, ub, before, logits, reused):
         """Recompute the step from a fresh build on the same starting memory; compare bytes."""
         after = self._state_bytes()
         self.memory.restore(before)
@@ -208,10 +248,34 @@ class Runner:
             if got != want:
                 a, b = np.frombuffer(got, np.uint8), np.frombuffer(want, np.uint8)
                 i = int(np.argmax(a != b))
+                where = self._first_differing_node(reused, fresh, ub, before)
+                self.memory.restore(before)
                 raise ReuseMismatch(f"graph reuse: {name} differs from a fresh build at byte {i} "
                                     f"(reused {a[i]:#04x}, fresh {b[i]:#04x}) in ubatch of "
-                                    f"{ub.n_seqs}x{ub.n_seq_tokens} tokens at head {params.mctx.get_head()}")
+                                    f"{ub.n_seqs}x{ub.n_seq_tokens} tokens at head {params.mctx.get_head()}"
+                                    + (f"; {where}" if where else ""))
         self.stats.validated += 1
+
+    def _first_differing_node(self, reused, fresh, ub, before) -> str:
+        """Run the reused and the fresh graph node by node from the same starting memory, reading
+        each node's bytes right after it runs (before the memory planner hands its memory on),
+        and name the first node whose bytes differ with both values. "" when none is found."""
+        if reused is None:
+            return ""
+        runs = []
+        for res in (reused, fresh):
+            self.memory.restore(before)
+            res.set_inputs(ub)
+            runs.append(node_by_node(res))
+        for i, ((label, op, got), (_, _, want)) in enumerate(zip(*runs)):
+            if got.tobytes() != want.tobytes():
+                flat_a, flat_b = got.reshape(-1), want.reshape(-1)
+                same_shape = flat_a.shape == flat_b.shape
+                j = int(np.argmax(flat_a != flat_b)) if same_shape else 0
+                return (f"first differing node #{i} {label} ({op}): element {j} reused {flat_a[j].item()!r}, "
+                        f"fresh {flat_b[j].item()!r}" if same_shape else
+                        f"first differing node #{i} {label} ({op}): shapes {got.shape} vs {want.shape}")
+        return ""
 
     def schedule_only(self, seq_tokens: dict) -> GraphResult:
         """Split {seq: [tokens]}, find a slot for the first ubatch, build and schedule its graph

@@ -33,13 +33,17 @@ def parse_devices(spec: str) -> list:
     names, depth, cur = [], 0, ""          # commas inside meta(...) do not separate devices
     for ch in spec + ",":
         depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            raise UsageError(f"--devices {spec!r}: a ')' without its '(' (write e.g. meta(cpu:0,cpu:1))")
         if ch == "," and depth == 0:
             names.append(cur.strip()) if cur.strip() else None
             cur = ""
         else:
             cur += ch
+    if depth > 0:
+        raise UsageError(f"--devices {spec!r}: a '(' is never closed (write e.g. meta(cpu:0,cpu:1))")
     if not names:
-        raise UsageError("--devices is empty")
+        raise UsageError(f"--devices {spec!r}: no device named (write e.g. cpu, or cpu:1,cpu:0)")
     out = []
     for n in names:
         try:
@@ -58,12 +62,51 @@ def layer_devices(devices: list, n_layer: int) -> list:
     return [devices[min(il // per, len(devices) - 1)] for il in range(n_layer)]
 
 
-def make_model(name: str, devices: list, seed: int = 0, gguf: str | None = None, **kw):
+def file_arch(name: str) -> str:
+    """The GGUF architecture a zoo model is saved as (its class's gguf_arch or arch)."""
+    cls = model_class(name)
+    return getattr(cls, "gguf_arch", None) or cls.arch
+
+
+def zoo_name(arch: str) -> str | None:
+    """The zoo name of a GGUF architecture (lfm2 -> lfm), None when the zoo has none."""
+    for name in MODELS:
+        try:
+            if file_arch(name) == arch:
+                return name
+        except ImportError:
+            continue
+    return None
+
+
+def gguf_model_info(path: str) -> tuple[str, type, dict]:
+    """(architecture, model class, constructor hparams) of a GGUF file, from its metadata only:
+    no tensor is read, so the model is built once, by load_gguf."""
+    from .gguf_io import GGUFError, _hparams_from_file, model_class as gguf_class, read_metadata
+    try:
+        kv = read_metadata(path)
+        arch = kv.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFError(f"{path}: no general.architecture key")
+        cls = gguf_class(arch)
+        return arch, cls, _hparams_from_file(cls, arch, kv)
+    except (GGUFError, ValueError, OSError) as e:
+        why = str(e)
+        why = why[len(str(path)) + 2:] if why.startswith(f"{path}: ") else why
+        raise UsageError(f"--gguf {path}: {why}") from None
+
+
+def make_model(name: str | None, devices: list, seed: int = 0, gguf: str | None = None, **kw):
+    """A tiny seeded zoo model, or (gguf=path) the model a GGUF file holds, built once and split
+    over devices. With a file, name may be None or must name the file's architecture."""
     if gguf:
+        arch, _, hp = gguf_model_info(gguf)
+        if name is not None and file_arch(name) != arch:
+            raise UsageError(f"model {name!r} does not match --gguf {gguf}, which holds a "
+                             f"{zoo_name(arch) or arch} model (arch {arch!r}); omit the model name "
+                             "or give the file's")
         from .gguf_io import load_gguf
-        probe = load_gguf(gguf, devices=devices[-1])
-        n_layer = len(probe.layers)
-        return load_gguf(gguf, devices=layer_devices(devices, n_layer))
+        return load_gguf(gguf, devices=layer_devices(devices, int(hp["n_layer"])))
     cls = model_class(name)
     n_layer = kw.pop("n_layer", getattr(cls, "DEFAULT_N_LAYER", 2))
     return cls(devices=layer_devices(devices, n_layer), n_layer=n_layer, seed=seed, **kw)

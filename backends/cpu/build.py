@@ -23,8 +23,22 @@ with open(os.path.join(HERE, "mg_api.h")) as f:
     CDEF = f.read()
 
 
+def _load_env_table():
+    """minigraph/env.py, loaded by path: at build time the minigraph package is not importable."""
+    import importlib.util
+    import sys
+    if "_minigraph_env" in sys.modules:
+        return sys.modules["_minigraph_env"]
+    path = os.path.join(HERE, "..", "..", "minigraph", "env.py")
+    spec = importlib.util.spec_from_file_location("_minigraph_env", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return _load_env_table().get(name)
 
 
 def compile_args():
@@ -32,7 +46,7 @@ def compile_args():
     link = []
     if not _flag("MINIGRAPH_PORTABLE"):
         args.append("-march=native")
-    if os.environ.get("MINIGRAPH_OPENMP", "1").strip() not in ("0", "false", "no", "off"):
+    if _flag("MINIGRAPH_OPENMP"):
         args.append("-fopenmp")
         link.append("-fopenmp")
     if _flag("MINIGRAPH_ASAN"):

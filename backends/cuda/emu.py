@@ -23,6 +23,8 @@ import tempfile
 
 import numpy as np
 
+from minigraph import env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
 
@@ -34,7 +36,7 @@ def kernel_names(path: str) -> list[str]:
 
 
 def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++") or shutil.which("c++")
+    return shutil.which(env.get("CXX")) or shutil.which("g++") or shutil.which("c++")
 
 
 class EmuError(RuntimeError):

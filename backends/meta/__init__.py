@@ -69,7 +69,13 @@ class MetaBackend(Backend):
         self._kept: dict[int, list] = {}          # compute buffer id -> weakrefs to roots read later
         self._expansions: dict = {}
         self.n_allreduce = 0
+        self.allreduce_bytes = 0                  # bytes the all-reduces moved, all computes together
         self.last_allreduces: list[str] = []
+
+    def allreduce_nbytes(self, t: Tensor) -> int:
+        """Bytes one all-reduce of t moves: each device's partial sum in, the total back out to
+        every device (2 x n_dev x t's bytes). Counted as transfers, like the scheduler's copies."""
+        return 2 * self.n_dev * t.nbytes()
 
     # -- the split callback ------------------------------------------------------------------
     @property
@@ -335,6 +341,7 @@ class MetaBackend(Backend):
         for dev, T in zip(self.devices, sub.reduce_simple):
             dev.write_tensor(T, acc.astype(T.type.np_dtype, copy=False))
         self.n_allreduce += 1
+        self.allreduce_bytes += self.allreduce_nbytes(sub.reduce)
         self.last_allreduces.append(sub.reduce.name or sub.reduce.label)
 
     # -- report -------------------------------------------------------------------------------
@@ -345,15 +352,18 @@ class MetaBackend(Backend):
               or (sched is not None and sched.backend_of(t) is self)
               or (sched is None and t.root().buffer is None)]
         rows = states_table(self.states, ts)
+        reduced = [t for t, r in zip(ts, rows) if r["all_reduce"]]
         return {"device": self.name, "devices": [d.name for d in self.devices], "tensors": rows,
-                "all_reduces": [r["tensor"] for r in rows if r["all_reduce"]]}
+                "all_reduces": [r["tensor"] for r in rows if r["all_reduce"]],
+                "all_reduce_bytes": sum(self.allreduce_nbytes(t) for t in reduced)}
 
     def format_split_report(self, gf, sched=None) -> str:
         rep = self.split_report(gf, sched)
         out = [f"split states on {rep['device']} over {', '.join(rep['devices'])}:",
                format_states(rep["tensors"]),
                f"all-reduces per step: {len(rep['all_reduces'])}"
-               + (": " + ", ".join(rep["all_reduces"]) if rep["all_reduces"] else "")]
+               + (": " + ", ".join(rep["all_reduces"]) if rep["all_reduces"] else "")
+               + f" ({rep['all_reduce_bytes']} bytes moved)"]
         return "\n".join(out)
 
 

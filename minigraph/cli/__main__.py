@@ -1,0 +1,4 @@
+"""python -m minigraph.cli ..."""
+from .main import main
+
+raise SystemExit(main())
