@@ -1,4 +1,4 @@
-"""The scheduler: ggml's backend-scheduler passes (REFERENCE §12) over minigraph devices.
+"""The scheduler: ggml's backend-scheduler passes (ggml_backend_sched: five passes, then splits and copies) over minigraph devices.
 
 Backends are in priority order, index 0 highest, the last one the host. Every device has its own
 memory kind, so a device accepts only its own buffers (supports_buft) and every crossing is a

@@ -111,7 +111,7 @@ class InputTokens(GraphInput):
 
 class InputRS(GraphInput):
     """llm_graph_input_rs: s_copy [n_rs] and its two views, head and rs_z captured at build time
-    (they are baked into byte offsets of cache views), and seed 001's host-filled slot order when
+    (they are baked into byte offsets of cache views), and the host-filled slot order (llama.cpp's later slot-order input) when
     the host-input strategy asks for it."""
 
     def __init__(self, s_copy, s_copy_main, s_copy_tail, head, rs_z, mctx):
@@ -204,7 +204,7 @@ class GraphContext:
     # -- recurrent state ----------------------------------------------------------------------
     def build_rs(self, inp: InputRS, s: mg.Tensor, state_size: int, n_seqs: int,
                  get_state_rows: Callable | None = None) -> mg.Tensor:
-        """Read the ubatch's states ([state_size, n_seqs]) from the cache s (REFERENCE §3.5):
+        """Read the ubatch's states ([state_size, n_seqs]) from the cache s, as llama.cpp's build_rs does:
         zero the rs_z row first, gather by s_copy_main (any plane), move the tail cells."""
         gf = self.gf
         states = mg.reshape_2d(s, state_size, s.ne[1])          # all mem_size*K rows
@@ -222,7 +222,8 @@ class GraphContext:
         return out
 
     def build_conv_state_store(self, inp: InputRS, s: mg.Tensor, conv_x: mg.Tensor, n_cols: int, offs: int = 0):
-        """The one place conv history is written (seed 000), with this graph's slot order."""
+        """The one place conv history is written (llama.cpp's shared conv-state store), with this
+        graph's slot order."""
         slot_order = None
         if self.n_rs_seq > 0:
             K = self.n_rs_seq + 1
@@ -236,19 +237,19 @@ class GraphContext:
         if strategy == "per-layer":
             return None                      # conv_state_store builds it next to its set_rows
         if strategy == "shared-first-layer":
-            # what seed 000 replaced: one order, built where the first conv layer is; each layer
-            # views its own tail, so each layer on another device copies that view
+            # the layout llama.cpp's conv-state refactor replaced: one order, built where the first
+            # conv layer is; each layer views its own tail, so each layer on another device copies it
             if inp.shared_slot_rev is None:
                 inp.shared_slot_rev = build_slot_rev(self.ctx0, K)
             return slot_order_tail(inp.shared_slot_rev, Kw)
-        if inp.s_slot_rev is None:           # host-input (seed 001): one I32 input for all layers
+        if inp.s_slot_rev is None:           # host-input: one I32 input, filled by the host, for all layers
             inp.s_slot_rev = self.ctx0.new_tensor_1d(mg.i32, Kw).set_name("rs_s_slot_rev").set_input()
         return inp.s_slot_rev
 
     def build_state_store(self, inp: InputRS, s: mg.Tensor, packed: mg.Tensor, state_offs: int, D: int):
         """Store the K state snapshots an op packs after its main output (ssm_scan,
         gated_delta_net: slot j = state j tokens back, slot-major then seq) into the s cache:
-        slot j of seq q -> row j*mem_size + head + q, for j < min(T, K) (REFERENCE §6.1, §6.3)."""
+        slot j of seq q -> row j*mem_size + head + q, for j < min(T, K) (slot 0 is the newest state)."""
         K = self.n_rs_seq + 1
         S = self.n_seqs
         n_written = min(self.n_seq_tokens, K)

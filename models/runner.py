@@ -1,7 +1,7 @@
 """The decode runner (llama_context::decode in small): split a batch into ubatches, find a slot,
 build or reuse the graph, schedule, set inputs, compute; speculative drafts with rollback.
 
-Graph reuse follows llama.cpp (REFERENCE §3.6): the previous graph is reused when its params
+Graph reuse follows llama.cpp's can_reuse: the previous graph is reused when its params
 allow it and every input agrees; on reuse only set_input runs — the graph, its schedule, the
 memory plan and the backends' plans are all kept. MINIGRAPH_GRAPH_REUSE=0 disables reuse;
 MINIGRAPH_GRAPH_REUSE_CHECK=1 (or validate=True) recomputes every reused step from a fresh build
@@ -59,7 +59,7 @@ class Stats:
 
 
 def clamp_n_rs_seq(model, n_rs_seq: int) -> int:
-    """Seed 000's clamp: rollback needs an architecture that supports it and a causal model."""
+    """llama.cpp's clamp of n_rs_seq: rollback needs an architecture that supports it and a causal model."""
     if n_rs_seq > 0 and (not getattr(model, "supports_rollback", False) or not getattr(model, "causal", True)):
         why = "does not support recurrent partial rollback" if not getattr(model, "supports_rollback", False) \
             else "is not causal"
