@@ -100,6 +100,8 @@ class RecurrentModel:
     # (lfm2 as llama.cpp writes it, kda, toy); the same values, but ADD's split rules on a meta
     # device read src0 first, so each model keeps its graph as written
     residual_first = False
+    # attention layers (hybrid models): build_attn_layer instead of build_layer, K/V in the KV cache
+    attn_layers: tuple = ()
     # with layer_outputs, build() also returns these per layer: 'mixer.{il}' (the mixer's
     # output) and/or 'l_out.{il}' (the block's output), [n_embd, n_tokens] each (tests)
     layer_output_names = ("l_out",)
@@ -156,6 +158,14 @@ class RecurrentModel:
         """Layer il's mixer. cur: the normed input [n_embd, n_tokens]. Returns [n_embd, n_tokens]."""
         raise NotImplementedError
 
+    def build_attn_layer(self, g, inp_attn, cur: mg.Tensor, il: int) -> mg.Tensor:
+        """Attention layer il (hybrid models). cur: [n_embd, n_tokens]. Returns [n_embd, n_tokens]."""
+        raise NotImplementedError
+
+    def recurrent_layers(self) -> list:
+        """The layers whose state lives in the recurrent memory."""
+        return [il for il in self.layers if il not in self.attn_layers]
+
     def residual(self, res: mg.Tensor, cur: mg.Tensor) -> mg.Tensor:
         return mg.add(res, cur) if self.residual_first else mg.add(cur, res)
 
@@ -169,11 +179,15 @@ class RecurrentModel:
         outs = {}
         tokens = g.build_inp_tokens()
         inp_rs = g.build_inp_rs()
+        inp_attn = g.build_attn_inp_kv(self.causal) if self.attn_layers else None
         h = mg.get_rows(self.tok_embd, tokens)                              # [n_embd, n_tokens]
         for il in self.layers:
             w = self.layer_w[il]
             cur = build_norm(h, w.get("attn_norm"), self.eps)               # [n_embd, n_tokens]
-            cur = self.build_layer(g, inp_rs, cur, il)                      # [n_embd, n_tokens]
+            if il in self.attn_layers:
+                cur = self.build_attn_layer(g, inp_attn, cur, il)           # [n_embd, n_tokens]
+            else:
+                cur = self.build_layer(g, inp_rs, cur, il)                  # [n_embd, n_tokens]
             self._keep_layer_output(outs, "mixer", il, cur)
             h = self.residual(h, cur)
             if "ffn_norm" in w:                                             # a layer with an FFN

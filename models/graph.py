@@ -201,6 +201,15 @@ class GraphContext:
         self.res.inputs.append(inp)
         return inp
 
+    def build_attn_inp_kv(self, causal: bool = True):
+        """The attention layers' inputs (k_idxs, v_idxs, kq_mask) over the hybrid memory's KV cache."""
+        from .attn_inputs import build_attn_inp_kv       # attn_inputs builds on this module
+        kv = getattr(self.mctx, "kv", None)
+        if kv is None:
+            raise ValueError(f"{self.params.arch}: the graph has attention layers but the memory "
+                             f"{type(self.mctx).__name__} has no KV cache (rule: use a HybridMemory)")
+        return build_attn_inp_kv(self, kv, causal)
+
     # -- recurrent state ----------------------------------------------------------------------
     def build_rs(self, inp: InputRS, s: mg.Tensor, state_size: int, n_seqs: int,
                  get_state_rows: Callable | None = None) -> mg.Tensor:

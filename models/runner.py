@@ -27,6 +27,8 @@ from minigraph.sched import is_view_op
 
 from .batch import Batch, BatchAllocr
 from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult, ReuseVerdict
+from .hybrid_memory import HybridMemory
+from .kv_cache import KVCache
 from .memory import RecurrentMemory
 from .step_journal import JOURNALS
 
@@ -115,10 +117,28 @@ def node_by_node(res: GraphResult) -> list:
     return out
 
 
+DEFAULT_KV_SIZE = 256
+
+
+def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None):
+    """The model's memory: a RecurrentMemory, or for a model with attention layers a HybridMemory
+    (its recurrent layers in a RecurrentMemory of mem_size cells, its attention layers in a KV
+    cache of kv_size cells), each layer's tensors on that layer's device."""
+    attn = [il for il in model.layers if il in getattr(model, "attn_layers", ())]
+    rec_layers = [il for il in model.layers if il not in attn]
+    rec = RecurrentMemory(rec_layers, model.n_embd_r, model.n_embd_s, mem_size, n_rs_seq,
+                          {il: model.layer_devices[il] for il in rec_layers})
+    if not attn:
+        return rec
+    kv = KVCache(attn, model.n_embd_k_gqa, model.n_embd_v_gqa, kv_size or DEFAULT_KV_SIZE,
+                 {il: model.layer_devices[il] for il in attn}, n_seq_max=mem_size)
+    return HybridMemory(rec, kv)
+
+
 class Runner:
     def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
                  slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
-                 validate: bool | None = None, atomic: bool | str = True):
+                 validate: bool | None = None, atomic: bool | str = True, kv_size: int | None = None):
         if slot_order not in SLOT_ORDERS:
             raise ValueError(f"unknown slot order {slot_order!r}; choose one of {SLOT_ORDERS}")
         self.model = model
@@ -129,8 +149,8 @@ class Runner:
         self.n_ubatch = n_ubatch
         self.slot_order = slot_order
         self.backends = list(backends) if backends else default_backends(model)
-        self.memory = RecurrentMemory(model.layers, model.n_embd_r, model.n_embd_s, mem_size,
-                                      self.n_rs_seq, {il: model.layer_devices[il] for il in model.layers})
+        # kv_size: cells of the KV cache of a model with attention layers (ignored otherwise)
+        self.memory = make_memory(model, mem_size, self.n_rs_seq, kv_size)
         self.reuse = env.get("MINIGRAPH_GRAPH_REUSE") if reuse is None else reuse
         self.validate = env.get("MINIGRAPH_GRAPH_REUSE_CHECK") if validate is None else validate
         self.atomic = atomic_mode(atomic)
@@ -156,12 +176,7 @@ class Runner:
         return res
 
     def _state_bytes(self) -> dict:
-        out = {}
-        for il in self.model.layers:
-            for t in (self.memory.r_l.get(il), self.memory.s_l.get(il)):
-                if t is not None:
-                    out[t.name] = t.numpy().tobytes()
-        return out
+        return {t.name: t.numpy().tobytes() for t in self.memory.tensors()}   # r/s (and K/V) caches
 
     @contextmanager
     def step(self):
@@ -294,6 +309,8 @@ class Runner:
         ubatches = allocr.split_all("equal", self.n_ubatch, sequential=True,
                                     n_keep_tail=self.K if self.n_rs_seq > 0 else 0)
         if not self.memory.prepare(ubatches):
+            if isinstance(self.memory, HybridMemory):
+                raise DecodeError(f"the batch does not fit in the hybrid memory: {self.memory.last_refusal}")
             raise DecodeError("the batch does not fit in the recurrent memory")
         where = {(s[0], p): i for i, (s, p) in enumerate(zip(batch.seq_ids, batch.pos))}
         out = None

@@ -29,12 +29,20 @@ class StepJournal:
     def __init__(self, memory: RecurrentMemory):
         self.memory = memory
         self.meta = memory.meta_copy()
-        self.spans: list[tuple[object, int, np.ndarray]] = []     # (tensor, row0, raw bytes)
+        # (tensor, row0 or ("bytes", byte offset), raw bytes)
+        self.spans: list[tuple[object, object, np.ndarray]] = []
         self.nbytes = 0                                           # state bytes copied so far
 
     def before_ubatch(self, ub: Ubatch):
         """Save the rows the graph of `ub` (just placed by find_slot) may write."""
         mem = self.memory
+        if hasattr(mem, "byte_spans_written_by"):
+            # a memory with other layouts (the hybrid's KV cache: transposed V) names byte spans
+            for t, offs, n in mem.byte_spans_written_by(ub):
+                data = mem.read_span(t, offs, n)
+                self.spans.append((t, ("bytes", offs), data))
+                self.nbytes += data.size
+            return
         rows = mem.rows_written_by(ub)
         for t in mem.tensors():
             for row0, count in rows:
@@ -44,8 +52,11 @@ class StepJournal:
 
     def undo(self):
         """Put back every saved row, newest first, then the metadata of the step's start."""
-        for t, row0, data in reversed(self.spans):
-            self.memory.write_row_bytes(t, row0, data)
+        for t, where, data in reversed(self.spans):
+            if isinstance(where, tuple):
+                self.memory.write_span(t, where[1], data)
+            else:
+                self.memory.write_row_bytes(t, where, data)
         self.memory.restore_meta(self.meta)
 
 

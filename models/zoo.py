@@ -13,6 +13,7 @@ MODELS = {
     "kda": ("minigraph.models.kda", "KDAModel"),
     "toy": ("minigraph.models.toy", "ToyConvModel"),
     "toy-tp": ("minigraph.models.toy_tp", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device
+    "toy-hybrid": ("minigraph.models.toy_hybrid", "ToyHybridModel"),   # conv layers + attention (KV cache)
 }
 
 

@@ -1,0 +1,126 @@
+"""The attention graph inputs and builders: llama.cpp's llm_graph_input_attn_kv (self_k_idxs,
+self_v_idxs, self_kq_mask with set_input / can_reuse) and build_attn over the KV cache
+(cpy_k / cpy_v through set_rows, get_k / get_v views, the non-flash attention).
+
+The graph reads the KV cache through views of cells [0, n_kv): n_kv is baked into the graph,
+so a graph is reused only while n_kv, n_tokens and the mask's padded rows stay the same."""
+from __future__ import annotations
+
+import numpy as np
+
+import minigraph as mg
+
+from .graph import REUSABLE, GraphInput, _differs
+from .kv_cache import GGML_KQ_MASK_PAD, KVCache, pad_to
+
+
+class InputAttnKV(GraphInput):
+    """llm_graph_input_attn_kv: the cells of the ubatch's tokens (k_idxs, and v_idxs into the
+    transposed V: one index per token and value channel) and the mask [n_kv, n_tokens padded]."""
+
+    def __init__(self, kv: KVCache, k_idxs: mg.Tensor, v_idxs: mg.Tensor, kq_mask: mg.Tensor, causal: bool):
+        self.kv = kv
+        self.self_k_idxs, self.self_v_idxs, self.self_kq_mask = k_idxs, v_idxs, kq_mask
+        self.causal = causal
+
+    def set_input(self, ubatch):
+        kv = self.kv
+        idxs = np.asarray(kv.idxs, np.int64)
+        self.self_k_idxs.set(idxs)
+        # token t, channel ch of v_cur (element t*n_embd_v + ch) -> element ch*kv_size + cell
+        ch = np.arange(kv.n_embd_v_max, dtype=np.int64)
+        self.self_v_idxs.set((ch[None, :] * kv.size + idxs[:, None]).reshape(-1))
+        self.self_kq_mask.set(kq_mask_values(kv, ubatch, self.self_kq_mask.ne[0], self.self_kq_mask.ne[1],
+                                             self.causal))
+
+    def can_reuse(self, params):
+        kv = params.mctx.kv                         # rebind first, as InputRS does
+        self.kv = kv
+        n_tokens = params.ubatch.n_tokens
+        for rule, old, new in (("k_idxs (n_tokens)", self.self_k_idxs.ne[0], n_tokens),
+                               ("v_idxs (n_tokens)", self.self_v_idxs.ne[0], n_tokens * kv.n_embd_v_max),
+                               ("kq_mask (n_kv)", self.self_kq_mask.ne[0], kv.n_kv),
+                               ("kq_mask (padded n_tokens)", self.self_kq_mask.ne[1],
+                                pad_to(n_tokens, GGML_KQ_MASK_PAD))):
+            v = _differs(rule, old, new)
+            if not v:
+                return v
+        return REUSABLE
+
+
+def kq_mask_values(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True) -> np.ndarray:
+    """[n_rows, n_kv] in NumPy order: 0 where token i may see cell j, -inf where it may not (an
+    empty cell, another sequence, a later position when causal); padded rows are all -inf.
+    A token with several seq ids sees by its first, as llama.cpp does."""
+    cells = kv.cells
+    pos = np.asarray(cells.pos[:n_kv])
+    mask = np.full((n_rows, n_kv), -np.inf, np.float32)
+    for i in range(ub.n_tokens):
+        s, p = ub.seq_id[i][0], int(ub.pos[i])
+        seen = np.array([pos[j] >= 0 and s in cells.seq[j] for j in range(n_kv)], bool)
+        if causal:
+            seen &= pos <= p
+        mask[i, seen] = 0.0
+    return mask
+
+
+def build_attn_inp_kv(g, kv: KVCache, causal: bool = True) -> InputAttnKV:
+    """The inputs of every attention layer of the graph (built once per graph)."""
+    n_tokens = g.n_tokens
+    ctx = g.ctx0
+    k_idxs = ctx.new_tensor_1d(mg.i64, n_tokens).set_name("inp_k_idxs").set_input()
+    v_idxs = ctx.new_tensor_1d(mg.i64, n_tokens * kv.n_embd_v_max).set_name("inp_v_idxs").set_input()
+    mask = ctx.new_tensor_2d(mg.f32, kv.n_kv, pad_to(n_tokens, GGML_KQ_MASK_PAD)).set_name("inp_kq_mask").set_input()
+    inp = InputAttnKV(kv, k_idxs, v_idxs, mask, causal)
+    g.res.inputs.append(inp)
+    return inp
+
+
+def cpy_k(kv: KVCache, k_cur: mg.Tensor, k_idxs: mg.Tensor, il: int) -> mg.Tensor:
+    """Store k_cur [n_embd_k, n_tokens] into the K rows of the ubatch's cells."""
+    k_cur = mg.reshape_2d(k_cur, kv.n_embd_k[il], k_cur.nelements() // kv.n_embd_k[il])
+    return mg.set_rows(kv.k_l[il], k_cur, k_idxs)
+
+
+def cpy_v(kv: KVCache, v_cur: mg.Tensor, v_idxs: mg.Tensor, il: int) -> mg.Tensor:
+    """Store v_cur [n_embd_v, n_tokens] into the transposed V: every element is a one-float row
+    of the flattened cache, placed by v_idxs."""
+    v = kv.v_l[il]
+    n = v_cur.nelements()
+    v_cur = mg.reshape_2d(v_cur, 1, n)
+    v_view = mg.reshape_2d(v, 1, v.nelements())
+    return mg.set_rows(v_view, v_cur, v_idxs)
+
+
+def get_k(kv: KVCache, il: int, n_head_kv: int) -> mg.Tensor:
+    """Keys of cells [0, n_kv): [n_embd_head_k, n_head_kv, n_kv]."""
+    k = kv.k_l[il]
+    d = kv.n_embd_k[il] // n_head_kv
+    return mg.view_3d(k, d, n_head_kv, kv.n_kv, d * k.type.size, k.nb[1], 0)
+
+
+def get_v(kv: KVCache, il: int, n_head_kv: int) -> mg.Tensor:
+    """Values of cells [0, n_kv) from the transposed layout: [n_kv, n_head_kv, n_embd_head_v]."""
+    v = kv.v_l[il]
+    d = kv.n_embd_v[il] // n_head_kv
+    elt = v.type.size
+    return mg.view_3d(v, kv.n_kv, n_head_kv, d, kv.size * d * elt, kv.size * elt, 0)
+
+
+def build_attn(g, inp: InputAttnKV, q_cur, k_cur, v_cur, n_head: int, n_head_kv: int, scale: float,
+               il: int) -> mg.Tensor:
+    """Store this ubatch's K/V, then attend over the cache (llama.cpp's build_attn with the KV
+    cache and build_attn_mha without flash attention). q_cur [d, n_head, n_tokens], k_cur /
+    v_cur [d, n_head_kv, n_tokens]. Returns [d_v * n_head, n_tokens]."""
+    kv = inp.kv
+    n_tokens = q_cur.ne[2]
+    g.gf.build_forward_expand(cpy_k(kv, k_cur, inp.self_k_idxs, il))
+    g.gf.build_forward_expand(cpy_v(kv, v_cur, inp.self_v_idxs, il))
+    q = mg.permute(q_cur, 0, 2, 1, 3)                                # [d, n_tokens, n_head]
+    k = mg.permute(get_k(kv, il, n_head_kv), 0, 2, 1, 3)             # [d, n_kv, n_head_kv]
+    v = mg.permute(get_v(kv, il, n_head_kv), 0, 2, 1, 3)             # [n_kv, d_v, n_head_kv]
+    kq = mg.mul_mat(k, q)                                            # [n_kv, n_tokens, n_head]
+    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0)
+    kqv = mg.mul_mat(v, kq)                                          # [d_v, n_tokens, n_head]
+    cur = mg.permute(kqv, 0, 2, 1, 3)                                # [d_v, n_head, n_tokens]
+    return mg.cont_2d(cur, cur.ne[0] * n_head, n_tokens)
