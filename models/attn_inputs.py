@@ -79,7 +79,7 @@ def build_attn_inp_kv(g, kv: KVCache, causal: bool = True) -> InputAttnKV:
 def cpy_k(kv: KVCache, k_cur: mg.Tensor, k_idxs: mg.Tensor, il: int) -> mg.Tensor:
     """Store k_cur [n_embd_k, n_tokens] into the K rows of the ubatch's cells."""
     k_cur = mg.reshape_2d(k_cur, kv.n_embd_k[il], k_cur.nelements() // kv.n_embd_k[il])
-    return mg.set_rows(kv.k_l[il], k_cur, k_idxs)
+    return mg.set_rows(kv.k_l[il], k_cur, k_idxs).set_name(f"cache_k_l{il}_store")
 
 
 def cpy_v(kv: KVCache, v_cur: mg.Tensor, v_idxs: mg.Tensor, il: int) -> mg.Tensor:
@@ -89,7 +89,7 @@ def cpy_v(kv: KVCache, v_cur: mg.Tensor, v_idxs: mg.Tensor, il: int) -> mg.Tenso
     n = v_cur.nelements()
     v_cur = mg.reshape_2d(v_cur, 1, n)
     v_view = mg.reshape_2d(v, 1, v.nelements())
-    return mg.set_rows(v_view, v_cur, v_idxs)
+    return mg.set_rows(v_view, v_cur, v_idxs).set_name(f"cache_v_l{il}_store")
 
 
 def get_k(kv: KVCache, il: int, n_head_kv: int) -> mg.Tensor:

@@ -32,6 +32,11 @@ class HybridSnapshot:
     recurrent: object
     kv: object
 
+    @property
+    def data(self) -> dict:
+        """Tensor name -> bytes of both memories (what a full-copy journal counts)."""
+        return {**self.recurrent.data, **self.kv.data}
+
 
 class HybridMemory:
     def __init__(self, recurrent: RecurrentMemory, kv: KVCache):
