@@ -54,13 +54,13 @@ def kq_mask_values(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True)
     A token with several seq ids sees by its first, as llama.cpp does."""
     cells = kv.cells
     pos = np.asarray(cells.pos[:n_kv])
+    first = [ids[0] for ids in ub.seq_id]
+    owns = {s: np.array([s in cells.seq[j] for j in range(n_kv)], bool) for s in set(first)}
+    seen = np.stack([owns[s] for s in first]) & (pos >= 0)[None, :]          # [n_tokens, n_kv]
+    if causal:
+        seen &= pos[None, :] <= np.asarray(ub.pos, np.int64)[:, None]
     mask = np.full((n_rows, n_kv), -np.inf, np.float32)
-    for i in range(ub.n_tokens):
-        s, p = ub.seq_id[i][0], int(ub.pos[i])
-        seen = np.array([pos[j] >= 0 and s in cells.seq[j] for j in range(n_kv)], bool)
-        if causal:
-            seen &= pos <= p
-        mask[i, seen] = 0.0
+    mask[:ub.n_tokens][seen] = 0.0
     return mask
 
 
