@@ -3,7 +3,7 @@ self_v_idxs, self_kq_mask with set_input / can_reuse) and build_attn over the KV
 (cpy_k / cpy_v through set_rows, get_k / get_v views, the non-flash attention).
 
 The graph reads the KV cache through views of cells [0, n_kv): n_kv is baked into the graph,
-so a graph is reused only while n_kv, n_tokens and the mask's padded rows stay the same."""
+so a graph is reused only while n_kv and n_tokens (the mask's shape) stay the same."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,7 @@ from .kv_cache import GGML_KQ_MASK_PAD, KVCache, pad_to
 
 class InputAttnKV(GraphInput):
     """llm_graph_input_attn_kv: the cells of the ubatch's tokens (k_idxs, and v_idxs into the
-    transposed V: one index per token and value channel) and the mask [n_kv, n_tokens padded]."""
+    transposed V: one index per token and value channel) and the mask [n_kv, n_tokens] (rows padded to GGML_KQ_MASK_PAD)."""
 
     def __init__(self, kv: KVCache, k_idxs: mg.Tensor, v_idxs: mg.Tensor, kq_mask: mg.Tensor, causal: bool):
         self.kv = kv
@@ -40,7 +40,7 @@ class InputAttnKV(GraphInput):
         for rule, old, new in (("k_idxs (n_tokens)", self.self_k_idxs.ne[0], n_tokens),
                                ("v_idxs (n_tokens)", self.self_v_idxs.ne[0], n_tokens * kv.n_embd_v_max),
                                ("kq_mask (n_kv)", self.self_kq_mask.ne[0], kv.n_kv),
-                               ("kq_mask (padded n_tokens)", self.self_kq_mask.ne[1],
+                               ("kq_mask (n_tokens)", self.self_kq_mask.ne[1],
                                 pad_to(n_tokens, GGML_KQ_MASK_PAD))):
             v = _differs(rule, old, new)
             if not v:

@@ -30,7 +30,9 @@ from .memory import StateFileError, coalesce_rows
 __all__ = ["KVCells", "KVCache", "KVSnapshot", "GGML_KQ_MASK_PAD", "pad_to"]
 
 POS_INF = 2**31 - 1               # llama_pos max: "to the end"
-GGML_KQ_MASK_PAD = 64             # the mask's token rows are padded to a multiple of this
+# the mask's token rows are padded to a multiple of this; ggml once padded them to 64, current
+# llama.cpp no longer pads (a mask of [n_kv, n_tokens])
+GGML_KQ_MASK_PAD = 1
 KV_STATE_MAGIC = b"MGKV"
 KV_STATE_VERSION = 1
 
@@ -126,7 +128,8 @@ class KVCache:
     devices  : one backend, or a dict il -> backend (each layer's K/V on its layer's device)
     n_seq_max: sequence ids must be < n_seq_max
     n_pad    : n_kv (the cells a graph attends to) is a multiple of n_pad, so the graph can be
-               reused while the used cells grow inside one pad step
+               reused while the used cells grow inside one pad step (llama.cpp pads to at least
+               256; the test caches are small, so it is a parameter here)
     """
 
     def __init__(self, layers: Sequence[int], n_embd_k, n_embd_v, kv_size: int, devices,
@@ -247,7 +250,7 @@ class KVCache:
                 self.cells.free(c)
             self.cells.pos[c] = int(ub.pos[i])
             self.cells.seq[c] = set(int(s) for s in ub.seq_id[i])
-        self.head = idxs[-1] + 1 if idxs[-1] + 1 < self.size else 0
+        self.head = idxs[-1] + 1           # may be kv_size: the next search wraps to cell 0
         self.idxs = list(idxs)
         self.ubatch = ub
         self.n_kv = self.get_n_kv()
