@@ -232,3 +232,38 @@ def test_cli_run_passes_its_state_check():
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads(p.stdout)
     assert out["state_check"] == "pass" and out["rollbacks"] > 0
+
+
+def test_the_journal_spans_cover_every_byte_a_step_changes():
+    r = runner()
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    r.rollback(1, 1)
+    before = {t.name: t.numpy().view(np.uint8).reshape(-1).copy() for t in r.memory.tensors()}
+    r.decode_seq_tokens({0: [7, 8], 1: [9, 10]})
+    spans = r.memory.byte_spans_written_by(r.memory.kv.ubatch)
+    for t in r.memory.tensors():
+        changed = np.flatnonzero(t.numpy().view(np.uint8).reshape(-1) != before[t.name])
+        covered = np.zeros(t.nbytes(), bool)
+        for tt, offs, n in spans:
+            if tt is t:
+                covered[offs:offs + n] = True
+        assert changed.size and covered[changed].all(), f"{t.name}: a changed byte outside the spans"
+
+
+def test_undo_puts_back_scribbled_spans_in_both_memories(monkeypatch):
+    r = runner()
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    before = whole_memory(r)
+    real = mg.Scheduler.graph_compute
+
+    def graph_compute(sched, gf):
+        real(sched, gf)
+        mem = r.memory
+        rng = np.random.default_rng(0)
+        for t, offs, n in mem.byte_spans_written_by(mem.kv.ubatch):
+            mem.write_span(t, offs, rng.integers(0, 256, n, dtype=np.uint8))
+        raise Injected("injected after scribbling")
+    monkeypatch.setattr(mg.Scheduler, "graph_compute", graph_compute)
+    with pytest.raises(Injected):
+        r.speculative_step(0, [7, 8, 9], 1)
+    assert whole_memory(r) == before
