@@ -162,10 +162,6 @@ class RecurrentModel:
         """Attention layer il (hybrid models). cur: [n_embd, n_tokens]. Returns [n_embd, n_tokens]."""
         raise NotImplementedError
 
-    def recurrent_layers(self) -> list:
-        """The layers whose state lives in the recurrent memory."""
-        return [il for il in self.layers if il not in self.attn_layers]
-
     def residual(self, res: mg.Tensor, cur: mg.Tensor) -> mg.Tensor:
         return mg.add(res, cur) if self.residual_first else mg.add(cur, res)
 

@@ -397,7 +397,8 @@ class KVCache:
         """[len(cells), n_embd_v] values of the cells (read out of the transposed layout)."""
         return self.v_l[il].numpy().reshape(self.n_embd_v[il], self.size)[:, cells].T
 
-    def _write_cells(self, il: int, cells: list[int], k: np.ndarray, v: np.ndarray):
+    def write_cells(self, il: int, cells: list[int], k: np.ndarray, v: np.ndarray):
+        """Put keys / values [len(cells), n_embd] into the cells (V into its transposed layout)."""
         kt, vt = self.k_l[il], self.v_l[il]
         kk = kt.numpy().reshape(self.size, self.n_embd_k[il]).copy()
         vv = vt.numpy().reshape(self.n_embd_v[il], self.size).copy()
@@ -473,7 +474,7 @@ class KVCache:
             raise StateFileError(f"kv state_read: {count} cells do not fit ({why})")
         self.apply_ubatch(idxs, ub)
         for il in self.layers:
-            self._write_cells(il, idxs, arrays[(il, "k")], arrays[(il, "v")])
+            self.write_cells(il, idxs, arrays[(il, "k")], arrays[(il, "v")])
         return count
 
     def __repr__(self) -> str:

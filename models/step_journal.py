@@ -9,6 +9,10 @@ does that at a cost that grows with mem_size and n_rs_seq; the journal instead c
   the ubatch's cells and their rollback planes), one contiguous byte span per coalesced row range
   per r/s tensor, through the backend's get_bytes (host, cuda and meta devices alike).
 
+A hybrid memory (models/hybrid_memory.py) names byte spans instead (`byte_spans_written_by`): the
+recurrent rows as above, plus the K rows of the ubatch's KV cells and, in the transposed V, those
+cells in every channel row; its metadata copy holds both memories' cells.
+
 On failure the saved spans are written back newest first, so a row written by several ubatches of
 the step ends with the copy taken before the first of them: the value it had before the step.
 

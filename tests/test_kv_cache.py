@@ -95,7 +95,7 @@ def test_seq_div_rejects_a_zero_divisor():
 
 def _fill(c, il=1):
     k = np.arange(c.size * 4, dtype=np.float32).reshape(c.size, 4)
-    c._write_cells(il, list(range(c.size)), k, -k)
+    c.write_cells(il, list(range(c.size)), k, -k)
     return k
 
 
