@@ -267,3 +267,17 @@ def test_undo_puts_back_scribbled_spans_in_both_memories(monkeypatch):
     with pytest.raises(Injected):
         r.speculative_step(0, [7, 8, 9], 1)
     assert whole_memory(r) == before
+
+
+def test_seq_add_and_seq_div_move_positions_in_both_memories():
+    r = runner()
+    ref = ToyHybridRef(r.model)
+    r.decode_seq_tokens({0: [1, 2, 3]})
+    ref.run(0, [1, 2, 3])
+    r.memory.seq_add(0, 0, -1, 10)
+    assert sorted(p for p in r.memory.kv.cells.pos if p >= 0) == [10, 11, 12]
+    assert r.memory.recurrent.seq_pos_max(0) == 12 and r.next_pos(0) == 13
+    close(r.decode_seq_tokens({0: [4]})[0], ref.run(0, [4]))    # no rope: only the order matters
+    r.memory.seq_div(0, 0, -1, 2)
+    assert sorted(p for p in r.memory.kv.cells.pos if p >= 0) == [5, 5, 6, 6]
+    assert r.memory.kv.cells.has_shift
