@@ -33,8 +33,8 @@ class StepJournal:
     def __init__(self, memory: RecurrentMemory):
         self.memory = memory
         self.meta = memory.meta_copy()
-        # (tensor, row0 or ("bytes", byte offset), raw bytes)
-        self.spans: list[tuple[object, object, np.ndarray]] = []
+        self.spans: list[tuple[object, int, np.ndarray]] = []     # (tensor, row0, raw bytes)
+        self.byte_spans: list[tuple[object, int, np.ndarray]] = []   # (tensor, byte offset, raw bytes)
         self.nbytes = 0                                           # state bytes copied so far
 
     def before_ubatch(self, ub: Ubatch):
@@ -44,7 +44,7 @@ class StepJournal:
             # a memory with other layouts (the hybrid's KV cache: transposed V) names byte spans
             for t, offs, n in mem.byte_spans_written_by(ub):
                 data = mem.read_span(t, offs, n)
-                self.spans.append((t, ("bytes", offs), data))
+                self.byte_spans.append((t, offs, data))
                 self.nbytes += data.size
             return
         rows = mem.rows_written_by(ub)
@@ -56,11 +56,10 @@ class StepJournal:
 
     def undo(self):
         """Put back every saved row, newest first, then the metadata of the step's start."""
-        for t, where, data in reversed(self.spans):
-            if isinstance(where, tuple):
-                self.memory.write_span(t, where[1], data)
-            else:
-                self.memory.write_row_bytes(t, where, data)
+        for t, offs, data in reversed(self.byte_spans):
+            self.memory.write_span(t, offs, data)
+        for t, row0, data in reversed(self.spans):
+            self.memory.write_row_bytes(t, row0, data)
         self.memory.restore_meta(self.meta)
 
 
