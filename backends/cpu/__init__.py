@@ -2,21 +2,14 @@
 
 `compute_nodes(nodes)` turns a node list into a plan once (an array of C node records: op
 code, data pointers and ne/nb of dst and sources, params), caches it by the identity of the
-node list and the memory bound to its tensors, and runs the whole plan in one C call with a
-team of worker threads that split each node and meet at a barrier between nodes."""
+node list and the memory bound to its tensors, and runs the whole plan in one C call: the
+caller's thread and persistent pool workers take chunks of each node dynamically, small nodes run
+on the caller's thread alone, and no thread waits for one that is not working (plan.c)."""
 from __future__ import annotations
 
 import os
 import weakref
 from collections import OrderedDict
-
-# libgomp reads these when the extension loads. Its default spins ~300k iterations after every
-# parallel region, so idle workers keep burning a core long after a plan has run and steal it
-# from Python and from other processes (2-core machines stall badly). A short spin keeps the
-# per-node barrier fast and lets idle workers sleep. (OMP_WAIT_POLICY=PASSIVE is far slower:
-# every barrier sleeps.) Users can override either variable.
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "20000"
 
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError

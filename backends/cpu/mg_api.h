@@ -23,6 +23,7 @@ typedef struct mg_node {
     mg_tensor src[7];           /* MG_MAX_SRC; in the registry's source order */
     float     fp[4];            /* the op's float params, in the registry's declaration order */
     int64_t   ip[4];            /* the op's int and bool params, in declaration order */
+    int64_t   cost;             /* the executor's work estimate, filled on the first run (0: not yet) */
 } mg_node;
 
 typedef struct mg_error {
@@ -38,7 +39,9 @@ typedef struct mg_error {
  * mg_op_name(i); Python maps names to codes once at load time */
 int mg_op_count(void);
 const char *mg_op_name(int code);
-int mg_plan_run(const mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
-int mg_max_threads(void);
+/* runs the records in order with n_threads threads (the caller's and pool workers); fills each
+ * record's cost on first use */
+int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
+int mg_max_threads(void);   /* the CPUs this process may run on */
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

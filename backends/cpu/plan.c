@@ -1,13 +1,43 @@
-/* The plan executor: one call runs every node record of a plan. A team of n_threads OpenMP
- * threads splits each node's work and meets at a barrier between nodes. Index ops check
- * every index first: each thread runs the (pure, cheap) check itself, so all threads agree
- * without an extra barrier and stop at the same node before anything of it is written. */
+/* The plan executor: one call runs every node record of a plan.
+ *
+ * Threads that degrade gracefully. The caller's thread and n_threads - 1 persistent pool workers
+ * run a plan together, but nobody ever waits for a thread that is not working:
+ *  - each node gets a chunk count from its work (node_chunks: bytes touched, plus the multiply-adds
+ *    of MUL_MAT): a small node is one chunk, run by the caller's thread alone (no hand-off, no
+ *    barrier); a large one is split into up to CHUNKS_PER_THREAD chunks per thread;
+ *  - a kernel call runs chunk c of n (the kernels' own (ith, nth) split, with ith = c, nth = n:
+ *    every kernel gives bit-identical results whatever nth, so the chunking never changes a
+ *    reduction order); threads claim chunks from a per-node counter (CAS), so a descheduled
+ *    worker claims nothing and the others take its share;
+ *  - node i + 1 starts when node i's completed-chunk count reaches its chunk count: the caller
+ *    waits only for chunks someone is running, never for a thread to arrive at a barrier; it
+ *    returns when the last node is complete, whatever the workers are doing;
+ *  - waiting spins briefly, then yields (sched_yield), then (workers only) sleeps: between runs on
+ *    a futex, within a run in short naps.
+ * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
+ * reads is the pool's own and tagged with the run's generation, and it touches the plan's records
+ * only after claiming a chunk with a CAS that succeeds only while that run is live (the caller
+ * waits for every claimed chunk). Ops with an index check are opened by the caller's thread
+ * after it ran the check: a failing check stops the run before anything of that node is written.
+ * A second plan run started while one is in flight (another Python thread: cffi releases the GIL)
+ * runs on its caller's thread alone. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
+#include <time.h>
+#include <unistd.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
 #endif
 #include "mg.h"
-
 /* the kernel table, filled by the MG_KERNEL registrations as the extension loads (before any
  * call into it, so no locking); a record's op is an index into it */
 #define MG_MAX_KERNELS 256
@@ -52,49 +82,303 @@ static int pre_node(const mg_node *nd, int i, mg_error *err) {
 }
 
 int mg_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
 }
 
-int mg_plan_run(const mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
-    memset(err, 0, sizeof *err);
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads == 1 || n_nodes == 0) {
-        for (int i = 0; i < n_nodes; i++) {
-            if (pre_node(&nodes[i], i, err)) return err->code;
-            kernel_for(nodes[i].op)(&nodes[i], 0, 1);
-        }
-        return MG_OK;
+/* ---- chunking policy ---- */
+#define PAR_MIN_COST (64 << 10)      /* below this many bytes-equivalent a node is one chunk */
+#define CHUNK_MIN_COST (16 << 10)    /* and no chunk gets less than this */
+#define CHUNKS_PER_THREAD 4          /* dynamic balance: a late thread leaves at most ~1/4 of its share */
+#define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
+#define MAX_THREADS 512
+
+static int64_t tensor_bytes(const mg_tensor *t) {
+    if (t->data == NULL) return 0;
+    int64_t n = mg_nelements(t);
+    return n > 0 ? n * mg_type_size(t->type) : 0;
+}
+
+/* the work of a node in bytes-equivalent: bytes read and written, plus one per multiply-add of
+ * MUL_MAT (about what a core streams per multiply-add with the vector kernels) */
+static int64_t node_cost(const mg_node *nd) {
+    int64_t c = tensor_bytes(&nd->dst);
+    for (int j = 0; j < nd->n_src && j < MG_MAX_SRC; j++) c += tensor_bytes(&nd->src[j]);
+    const char *name = mg_op_name(nd->op);
+    if (name != NULL && strcmp(name, "MUL_MAT") == 0)
+        c += nd->src[0].ne[0] * nd->src[0].ne[1] * nd->src[1].ne[1] * nd->src[1].ne[2] * nd->src[1].ne[3];
+    return c;
+}
+
+static int node_chunks(mg_node *nd, int nth) {
+    if (nd->cost == 0) nd->cost = node_cost(nd) | 1;   /* cached in the record: shapes are fixed */
+    const int64_t cost = nd->cost;
+    if (cost < PAR_MIN_COST) return 1;
+    int64_t n = cost / CHUNK_MIN_COST;
+    const int64_t cap = (int64_t)nth * CHUNKS_PER_THREAD;
+    if (n > cap) n = cap;
+    if (n > MAX_CHUNKS) n = MAX_CHUNKS;
+    return n < 2 ? 2 : (int)n;
+}
+
+/* ---- the pool ---- */
+/* per node, one cache line: claim = gen << 32 | open << 31 | n_chunks << 16 | claimed,
+ * done = gen << 32 | completed chunks */
+#define CL_OPEN ((uint64_t)1 << 31)
+#define CL_N(w) ((int)(((w) >> 16) & 0x7fff))
+#define CL_C(w) ((int)((w) & 0xffff))
+#define GEN(w) ((uint32_t)((w) >> 32))
+typedef struct {
+    _Atomic uint64_t claim;
+    _Atomic uint64_t done;
+    char pad[64 - 2 * sizeof(uint64_t)];
+} node_sync;
+
+static struct {
+    pthread_mutex_t run_lock;          /* held by the thread whose run uses the pool */
+    int n_created;                     /* workers started */
+    _Atomic uint32_t gen;              /* futex word; even: run `gen` published, odd: being prepared */
+    _Atomic int sleepers;              /* workers in futex_wait on gen */
+    _Atomic uint32_t abort_gen;        /* == gen when the caller stopped the run at a failed check */
+    /* the run descriptor (read by workers under the gen seqlock) */
+    _Atomic(mg_node *) nodes;
+    _Atomic int n_nodes;
+    _Atomic int n_workers;
+    _Atomic(node_sync *) sync;
+    int sync_cap;
+} P = { .run_lock = PTHREAD_MUTEX_INITIALIZER };
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val) {
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, NULL, NULL, 0);
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+#define SPIN_NS 4000          /* pure spinning before yielding */
+#define WORKER_NAP_NS 200000  /* a worker waiting this long within a run naps between checks */
+#define IDLE_SPIN_NS 100000   /* a worker waits this long for the next run before sleeping */
+
+/* one step of a wait that started at t0 (0: not yet timed); returns the updated t0 */
+static inline int64_t wait_step(int64_t t0, int64_t *iter, int may_nap) {
+    if (++*iter < 64) { cpu_relax(); return t0; }
+    *iter = 0;
+    const int64_t t = now_ns();
+    if (t0 == 0) return t;
+    if (t - t0 < SPIN_NS) { cpu_relax(); return t0; }
+    if (may_nap && t - t0 > WORKER_NAP_NS) {
+        const struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    } else {
+        sched_yield();
     }
-#ifdef _OPENMP
-    #pragma omp parallel num_threads(n_threads)
-    {
-        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
-        for (int i = 0; i < n_nodes; i++) {
-            mg_error e;
-            memset(&e, 0, sizeof e);
-            if (pre_node(&nodes[i], i, &e)) {   /* every thread reaches the same verdict */
-                if (ith == 0) *err = e;
-                break;
+    return t0;
+}
+
+typedef struct {
+    mg_node *nodes;
+    int n_nodes;
+    node_sync *sync;
+    uint32_t gen;
+} run_view;
+
+/* Walk the nodes of run v as thread `main_thread` (the caller: opens check nodes, runs the
+ * one-chunk nodes, waits for the end) or a worker. Returns MG_OK, or for the caller the error. */
+static int run_nodes(const run_view *v, int main_thread, mg_error *err) {
+    const uint64_t tag = (uint64_t)v->gen << 32;
+    for (int i = 0; i < v->n_nodes; i++) {
+        node_sync *ns = &v->sync[i];
+        if (i > 0) {   /* node i - 1 complete (its chunk count is in its claim word) */
+            node_sync *ps = &v->sync[i - 1];
+            const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ps->claim, memory_order_relaxed));
+            int64_t t0 = 0, it = 0;
+            for (;;) {
+                const uint64_t d = atomic_load_explicit(&ps->done, memory_order_acquire);
+                if (d == want) break;
+                if (!main_thread && (GEN(d) != v->gen || atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == v->gen))
+                    return MG_OK;   /* the run is over (or stopped): leave it */
+                t0 = wait_step(t0, &it, !main_thread);
             }
-            kernel_for(nodes[i].op)(&nodes[i], ith, nth);
-            /* libgomp's barrier measured faster here than a hand-written spin barrier
-             * (0.3 vs 0.7 us per node with 2 threads); the region's end joins the last node */
-            if (i + 1 < n_nodes) {
-                #pragma omp barrier
+        }
+        uint64_t w = atomic_load_explicit(&ns->claim, memory_order_acquire);
+        if (GEN(w) != v->gen) return MG_OK;   /* a worker late for a run that has ended */
+        if (main_thread && !(w & CL_OPEN)) {   /* an index check: run it, then open the node */
+            if (pre_node(&v->nodes[i], i, err)) {
+                atomic_store_explicit(&P.abort_gen, v->gen, memory_order_release);
+                return err->code;
+            }
+            w = atomic_fetch_or_explicit(&ns->claim, CL_OPEN, memory_order_acq_rel) | CL_OPEN;
+        }
+        const int n = CL_N(w);
+        if (n == 1 && !main_thread) continue;  /* one-chunk nodes are the caller's */
+        if (!main_thread && !(w & CL_OPEN)) {
+            int64_t t0 = 0, it = 0;
+            for (;;) {
+                w = atomic_load_explicit(&ns->claim, memory_order_acquire);
+                if (GEN(w) != v->gen || atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == v->gen)
+                    return MG_OK;
+                if (w & CL_OPEN) break;
+                t0 = wait_step(t0, &it, 1);
+            }
+        }
+        for (;;) {
+            if (GEN(w) != v->gen || CL_C(w) >= n) break;
+            if (atomic_compare_exchange_weak_explicit(&ns->claim, &w, w + 1, memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                mg_node *nd = &v->nodes[i];           /* claimed: the run is live until we report */
+                kernel_for(nd->op)(nd, CL_C(w), n);
+                atomic_fetch_add_explicit(&ns->done, 1, memory_order_release);
+                w = atomic_load_explicit(&ns->claim, memory_order_acquire);
             }
         }
     }
-#else
+    if (main_thread && v->n_nodes > 0) {    /* the last node complete: the run is done */
+        node_sync *ls = &v->sync[v->n_nodes - 1];
+        const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ls->claim, memory_order_relaxed));
+        int64_t t0 = 0, it = 0;
+        while (atomic_load_explicit(&ls->done, memory_order_acquire) != want) t0 = wait_step(t0, &it, 0);
+    }
+    return MG_OK;
+}
+
+typedef struct { int index; uint32_t seen; } worker_arg;
+
+static void *worker_main(void *arg) {
+    worker_arg a = *(worker_arg *)arg;
+    free(arg);
+    uint32_t seen = a.seen;
+    mg_error dummy;
+    for (;;) {
+        /* wait for a published run newer than the last one seen: spin, yield, then sleep */
+        uint32_t g;
+        int64_t t0 = 0, it = 0;
+        for (;;) {
+            g = atomic_load_explicit(&P.gen, memory_order_acquire);
+            if (g != seen && !(g & 1)) break;
+            if (g & 1) { cpu_relax(); continue; }   /* being published: moments away */
+            if (t0 != 0 && now_ns() - t0 > IDLE_SPIN_NS && it == 0) {
+                atomic_fetch_add(&P.sleepers, 1);
+                if (atomic_load(&P.gen) == g) futex(&P.gen, FUTEX_WAIT_PRIVATE, g);
+                atomic_fetch_sub(&P.sleepers, 1);
+                t0 = 0;
+                continue;
+            }
+            t0 = wait_step(t0, &it, 0);
+        }
+        seen = g;
+        /* the run's descriptor, consistent with g (seqlock) */
+        run_view v;
+        v.nodes = atomic_load_explicit(&P.nodes, memory_order_relaxed);
+        v.n_nodes = atomic_load_explicit(&P.n_nodes, memory_order_relaxed);
+        const int n_workers = atomic_load_explicit(&P.n_workers, memory_order_relaxed);
+        v.sync = atomic_load_explicit(&P.sync, memory_order_relaxed);
+        v.gen = g;
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&P.gen, memory_order_relaxed) != g) continue;
+        if (a.index >= n_workers) continue;
+        run_nodes(&v, 0, &dummy);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {   /* the child has no workers */
+    pthread_mutex_init(&P.run_lock, NULL);
+    P.n_created = 0;
+    atomic_store(&P.sleepers, 0);
+}
+
+static int pool_grow(int n_workers, uint32_t seen) {
+    static int atfork = 0;
+    if (!atfork) { pthread_atfork(NULL, NULL, pool_after_fork); atfork = 1; }
+    while (P.n_created < n_workers) {
+        worker_arg *a = malloc(sizeof *a);
+        if (a == NULL) break;
+        a->index = P.n_created;
+        a->seen = seen;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, (size_t)8 << 20);   /* kernels keep blocks on the stack */
+        pthread_t th;
+        const int rc = pthread_create(&th, &attr, worker_main, a);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) { free(a); break; }
+        P.n_created++;
+    }
+    return P.n_created;
+}
+
+static int run_serial(mg_node *nodes, int n_nodes, mg_error *err) {
     for (int i = 0; i < n_nodes; i++) {
         if (pre_node(&nodes[i], i, err)) return err->code;
         kernel_for(nodes[i].op)(&nodes[i], 0, 1);
     }
-#endif
-    return err->code;
+    return MG_OK;
+}
+
+int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
+    memset(err, 0, sizeof *err);
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads <= 1 || n_nodes <= 0) return run_serial(nodes, n_nodes, err);
+    /* a plan of one-chunk nodes only runs on the caller's thread: nothing to share */
+    int any = 0;
+    for (int i = 0; i < n_nodes && !any; i++) any = node_chunks(&nodes[i], n_threads) > 1;
+    if (!any || pthread_mutex_trylock(&P.run_lock) != 0) return run_serial(nodes, n_nodes, err);
+
+    const uint32_t g_old = atomic_load_explicit(&P.gen, memory_order_relaxed);
+    int n_workers = pool_grow(n_threads - 1, g_old);
+    if (n_workers > n_threads - 1) n_workers = n_threads - 1;
+    if (n_workers == 0) {
+        pthread_mutex_unlock(&P.run_lock);
+        return run_serial(nodes, n_nodes, err);
+    }
+    const uint32_t g = g_old + 2;
+    atomic_store(&P.gen, g_old + 1);   /* preparing: workers re-read after it turns even */
+    node_sync *sync = atomic_load_explicit(&P.sync, memory_order_relaxed);
+    if (n_nodes > P.sync_cap) {
+        /* the old array is kept (leaked): a late worker may still read it. Doubling bounds the
+         * total at twice the largest plan's. */
+        int cap = P.sync_cap ? P.sync_cap : 256;
+        while (cap < n_nodes) cap *= 2;
+        node_sync *ns = aligned_alloc(64, (size_t)cap * sizeof(node_sync));
+        if (ns == NULL) {
+            atomic_store(&P.gen, g_old + 2);
+            pthread_mutex_unlock(&P.run_lock);
+            return run_serial(nodes, n_nodes, err);
+        }
+        for (int i = 0; i < cap; i++) {
+            atomic_init(&ns[i].claim, 0);
+            atomic_init(&ns[i].done, 0);
+        }
+        sync = ns;
+        P.sync_cap = cap;
+    }
+    const uint64_t tag = (uint64_t)g << 32;
+    for (int i = 0; i < n_nodes; i++) {
+        const int n = node_chunks(&nodes[i], n_workers + 1);
+        const uint64_t open = check_for(nodes[i].op) != NULL || kernel_for(nodes[i].op) == NULL ? 0 : CL_OPEN;
+        atomic_store_explicit(&sync[i].done, tag, memory_order_relaxed);
+        atomic_store_explicit(&sync[i].claim, tag | open | ((uint64_t)n << 16), memory_order_relaxed);
+    }
+    atomic_store_explicit(&P.nodes, nodes, memory_order_relaxed);
+    atomic_store_explicit(&P.n_nodes, n_nodes, memory_order_relaxed);
+    atomic_store_explicit(&P.n_workers, n_workers, memory_order_relaxed);
+    atomic_store_explicit(&P.sync, sync, memory_order_relaxed);
+    atomic_store(&P.gen, g);           /* published (seq_cst: ordered before the sleepers check) */
+    if (atomic_load(&P.sleepers) > 0) futex(&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+
+    run_view v = { nodes, n_nodes, sync, g };
+    const int rc = run_nodes(&v, 1, err);
+    pthread_mutex_unlock(&P.run_lock);
+    return rc;
 }
 
 uint16_t mg_f32_to_f16(float x) { return mg_fp32_to_fp16(x); }
