@@ -281,7 +281,7 @@ def time_alternating(runners: dict, reps: int, inner: int) -> dict:
 
 def time_per_call(runners: dict, reps: int, min_time: float) -> dict:
     """Every call timed on its own (contention makes the distribution long-tailed): reps rounds,
-    each running every runner in turn (rotating who goes first) for about min_time, at least 3
+    each running every runner in turn (rotating who goes first) for about min_time, at least 2
     calls. Returns {name: sorted list of seconds per call}."""
     times = {k: [] for k in runners}
     order = list(runners)
@@ -294,7 +294,7 @@ def time_per_call(runners: dict, reps: int, min_time: float) -> dict:
             fn()
             t_end = time.perf_counter() + min_time
             n = 0
-            while n < 3 or time.perf_counter() < t_end:
+            while n < 2 or time.perf_counter() < t_end:
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
@@ -521,7 +521,8 @@ def main(argv=None):
                 out.append(line)
     cont_lines, cworst, slower = [], None, []
     if not args.no_contention and len(threads) > 0:
-        cont_lines, cworst, slower = contention_rows(cases, threads, reps, min_time)
+        # per-call timing needs fewer rounds (every call is a sample)
+        cont_lines, cworst, slower = contention_rows(cases, threads, 3 if args.quick else 7, min_time)
     tail = []
     if gemm:
         tail.append(f"gemm: numpy/minigraph at 4096x4096x512: {gemm[0]:.2f} ({gemm[1]} threads)")

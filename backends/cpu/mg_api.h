@@ -42,6 +42,12 @@ const char *mg_op_name(int code);
 /* runs the records in order with n_threads threads (the caller's and pool workers); fills each
  * record's cost on first use */
 int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
+/* the executor's node split: a node below par_min_cost bytes-equivalent is one chunk, and no
+ * chunk gets less than chunk_min_cost (tests set 0, 0 to split everything; -1 restores a default) */
+void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost);
+/* the executor's counters since load: parallel runs, runs kept serial after a stall, stalls,
+ * ns the caller waited for others' chunks, chunks run by workers */
+void mg_pool_stats(int64_t out[5]);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

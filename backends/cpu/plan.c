@@ -92,8 +92,14 @@ int mg_max_threads(void) {
 }
 
 /* ---- chunking policy ---- */
-#define PAR_MIN_COST (64 << 10)      /* below this many bytes-equivalent a node is one chunk */
-#define CHUNK_MIN_COST (16 << 10)    /* and no chunk gets less than this */
+static int64_t PAR_MIN_COST = 64 << 10;    /* below this many bytes-equivalent a node is one chunk */
+static int64_t CHUNK_MIN_COST = 16 << 10;  /* and no chunk gets less than this */
+
+/* tests: (0, 0) splits every node into CHUNKS_PER_THREAD chunks per thread; negative: default */
+void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost) {
+    PAR_MIN_COST = par_min_cost < 0 ? 64 << 10 : par_min_cost;
+    CHUNK_MIN_COST = chunk_min_cost < 0 ? 16 << 10 : chunk_min_cost;
+}
 #define CHUNKS_PER_THREAD 4          /* dynamic balance: a late thread leaves at most ~1/4 of its share */
 #define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
 #define MAX_THREADS 512
@@ -119,7 +125,7 @@ static int node_chunks(mg_node *nd, int nth) {
     if (nd->cost == 0) nd->cost = node_cost(nd) | 1;   /* cached in the record: shapes are fixed */
     const int64_t cost = nd->cost;
     if (cost < PAR_MIN_COST) return 1;
-    int64_t n = cost / CHUNK_MIN_COST;
+    int64_t n = CHUNK_MIN_COST > 0 ? cost / CHUNK_MIN_COST : MAX_CHUNKS;
     const int64_t cap = (int64_t)nth * CHUNKS_PER_THREAD;
     if (n > cap) n = cap;
     if (n > MAX_CHUNKS) n = MAX_CHUNKS;
@@ -145,6 +151,9 @@ static struct {
     _Atomic uint32_t gen;              /* futex word; even: run `gen` published, odd: being prepared */
     _Atomic int sleepers;              /* workers in futex_wait on gen */
     _Atomic uint32_t abort_gen;        /* == gen when the caller stopped the run at a failed check */
+    _Atomic uint32_t solo_gen;         /* == gen when the caller finishes the run alone (a stall) */
+    int64_t serial_until;              /* after a stall, runs stay on the caller's thread until then */
+    int64_t backoff;                   /* the current serial stretch, ns (0: no recent stall) */
     /* the run descriptor (read by workers under the gen seqlock) */
     _Atomic(mg_node *) nodes;
     _Atomic int n_nodes;
@@ -164,6 +173,9 @@ static inline int64_t now_ns(void) {
 }
 
 #define SPIN_NS 4000          /* pure spinning before yielding */
+#define STALL_MIN_NS 30000    /* waiting this much longer than twice the caller's own chunk time */
+#define BACKOFF_MIN_NS 2000000
+#define BACKOFF_MAX_NS 256000000
 #define WORKER_NAP_NS 200000  /* a worker waiting this long within a run naps between checks */
 #define IDLE_SPIN_NS 100000   /* a worker waits this long for the next run before sleeping */
 
@@ -192,20 +204,33 @@ typedef struct {
 
 /* Walk the nodes of run v as thread `main_thread` (the caller: opens check nodes, runs the
  * one-chunk nodes, waits for the end) or a worker. Returns MG_OK, or for the caller the error. */
-static int run_nodes(const run_view *v, int main_thread, mg_error *err) {
+/* counters for tests and tuning (caller-side, under run_lock) */
+static int64_t st_parallel, st_serial_backoff, st_stalls, st_wait_ns, st_worker_chunks;
+
+void mg_pool_stats(int64_t out[5]) {
+    out[0] = st_parallel; out[1] = st_serial_backoff; out[2] = st_stalls; out[3] = st_wait_ns;
+    out[4] = st_worker_chunks;
+}
+
+static inline int left(uint32_t gen) {   /* the run was stopped or left to the caller alone */
+    return atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == gen ||
+           atomic_load_explicit(&P.solo_gen, memory_order_relaxed) == gen;
+}
+
+static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error *err) {
     const uint64_t tag = (uint64_t)v->gen << 32;
     for (int i = 0; i < v->n_nodes; i++) {
         node_sync *ns = &v->sync[i];
-        if (i > 0) {   /* node i - 1 complete (its chunk count is in its claim word) */
+        if (i > 0 && !main_thread) {   /* node i - 1 complete (the caller completes each node itself) */
             node_sync *ps = &v->sync[i - 1];
             const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ps->claim, memory_order_relaxed));
             int64_t t0 = 0, it = 0;
             for (;;) {
                 const uint64_t d = atomic_load_explicit(&ps->done, memory_order_acquire);
                 if (d == want) break;
-                if (!main_thread && (GEN(d) != v->gen || atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == v->gen))
-                    return MG_OK;   /* the run is over (or stopped): leave it */
-                t0 = wait_step(t0, &it, !main_thread);
+                if (GEN(d) != v->gen || left(v->gen))
+                    return MG_OK;   /* the run is over, stopped or left to the caller */
+                t0 = wait_step(t0, &it, 1);
             }
         }
         uint64_t w = atomic_load_explicit(&ns->claim, memory_order_acquire);
@@ -223,28 +248,48 @@ static int run_nodes(const run_view *v, int main_thread, mg_error *err) {
             int64_t t0 = 0, it = 0;
             for (;;) {
                 w = atomic_load_explicit(&ns->claim, memory_order_acquire);
-                if (GEN(w) != v->gen || atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == v->gen)
-                    return MG_OK;
+                if (GEN(w) != v->gen || left(v->gen)) return MG_OK;
                 if (w & CL_OPEN) break;
                 t0 = wait_step(t0, &it, 1);
             }
         }
+        const int64_t t_start = main_thread && n > 1 ? now_ns() : 0;
+        int ran = 0;
         for (;;) {
             if (GEN(w) != v->gen || CL_C(w) >= n) break;
+            if (!main_thread && left(v->gen)) return MG_OK;
             if (atomic_compare_exchange_weak_explicit(&ns->claim, &w, w + 1, memory_order_acq_rel,
                                                       memory_order_acquire)) {
                 mg_node *nd = &v->nodes[i];           /* claimed: the run is live until we report */
                 kernel_for(nd->op)(nd, CL_C(w), n);
                 atomic_fetch_add_explicit(&ns->done, 1, memory_order_release);
+                ran++;
                 w = atomic_load_explicit(&ns->claim, memory_order_acquire);
             }
         }
-    }
-    if (main_thread && v->n_nodes > 0) {    /* the last node complete: the run is done */
-        node_sync *ls = &v->sync[v->n_nodes - 1];
-        const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ls->claim, memory_order_relaxed));
-        int64_t t0 = 0, it = 0;
-        while (atomic_load_explicit(&ls->done, memory_order_acquire) != want) t0 = wait_step(t0, &it, 0);
+        if (main_thread && n > 1) {
+            st_worker_chunks += n - ran;
+            /* everything claimed: wait for the chunks others run. A wait far longer than the
+             * caller's own chunks took means a worker was descheduled holding one: the rest of
+             * the run is the caller's alone, and the next runs are too for a while (stalled) */
+            const uint64_t want = tag | (uint64_t)n;
+            if (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
+                const int64_t t_claimed = now_ns();
+                const int64_t limit = STALL_MIN_NS + (ran ? 2 * (t_claimed - t_start) / ran : 6 * STALL_MIN_NS);
+                int64_t it = 0, t = t_claimed;
+                while (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
+                    if (++it < 64) { cpu_relax(); continue; }
+                    it = 0;
+                    t = now_ns();
+                    if (!*stalled && t - t_claimed > limit) {
+                        *stalled = 1;
+                        atomic_store_explicit(&P.solo_gen, v->gen, memory_order_relaxed);
+                    }
+                    if (t - t_claimed > SPIN_NS) sched_yield();
+                }
+                st_wait_ns += now_ns() - t_claimed;
+            }
+        }
     }
     return MG_OK;
 }
@@ -284,7 +329,8 @@ static void *worker_main(void *arg) {
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&P.gen, memory_order_relaxed) != g) continue;
         if (a.index >= n_workers) continue;
-        run_nodes(&v, 0, &dummy);
+        int unused = 0;
+        run_nodes(&v, 0, &unused, &dummy);
     }
     return NULL;
 }
@@ -333,6 +379,14 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
     for (int i = 0; i < n_nodes && !any; i++) any = node_chunks(&nodes[i], n_threads) > 1;
     if (!any || pthread_mutex_trylock(&P.run_lock) != 0) return run_serial(nodes, n_nodes, err);
 
+    if (P.serial_until != 0) {   /* a recent stall: one thread until the backoff has passed */
+        if (now_ns() < P.serial_until) {
+            st_serial_backoff++;
+            pthread_mutex_unlock(&P.run_lock);
+            return run_serial(nodes, n_nodes, err);
+        }
+        P.serial_until = 0;
+    }
     const uint32_t g_old = atomic_load_explicit(&P.gen, memory_order_relaxed);
     int n_workers = pool_grow(n_threads - 1, g_old);
     if (n_workers > n_threads - 1) n_workers = n_threads - 1;
@@ -376,7 +430,16 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
     if (atomic_load(&P.sleepers) > 0) futex(&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX);
 
     run_view v = { nodes, n_nodes, sync, g };
-    const int rc = run_nodes(&v, 1, err);
+    int stalled = 0;
+    const int rc = run_nodes(&v, 1, &stalled, err);
+    st_parallel++;
+    if (stalled) {
+        st_stalls++;
+        P.backoff = P.backoff ? (P.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : P.backoff * 2) : BACKOFF_MIN_NS;
+        P.serial_until = now_ns() + P.backoff;
+    } else {
+        P.backoff /= 2;   /* decays over runs that went well */
+    }
     pthread_mutex_unlock(&P.run_lock);
     return rc;
 }
