@@ -129,11 +129,32 @@ def mul_mat_case(n, k=4096, m=4096):
     return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn, moved
 
 
+def unary_case(op, ne0=4096, ne1=64):
+    """the exp-based unary ops (vectorised exp) on 1 MiB of f32"""
+    fn = {"EXP": mg.exp, "SIGMOID": mg.sigmoid, "SILU": mg.silu, "SOFTPLUS": mg.softplus}[op]
+
+    def build(rng, b):
+        return fn(b.leaf(mg.f32, (ne0, ne1), data=rng.uniform(-8, 8, (ne1, ne0)).astype(np.float32)))
+
+    def numpy_fn(arrs):
+        x = arrs[0]
+        if op == "EXP":
+            return np.exp(x)
+        if op == "SIGMOID":
+            return np.float32(1) / (np.float32(1) + np.exp(-x))
+        if op == "SILU":
+            return x / (np.float32(1) + np.exp(-x))
+        return np.where(x > np.float32(20), x, np.log(np.float32(1) + np.exp(x)))
+    return op, f"[{ne0}, {ne1}] uniform(-8, 8)", build, numpy_fn, 2 * ne0 * ne1 * 4
+
+
 def all_cases(quick):
     cases = []
     for n_t in (1, 8, 512):
         for n_s in (1, 4):
             cases.append(ssm_conv_case(4096, n_t, n_s))
+    for op in ("EXP", "SIGMOID", "SILU", "SOFTPLUS"):
+        cases.append(unary_case(op))
     cases.append(conv_store_case(4))
     cases.append(concat_case(8))
     cases.append(concat_case(512))
