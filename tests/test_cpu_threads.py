@@ -164,3 +164,30 @@ def test_default_is_every_core_this_process_may_use():
     import os
     assert cpu.CpuBackend.n_threads == len(os.sched_getaffinity(0))
     assert cpu.CpuBackend(353).set_n_threads(np.int64(2)).n_threads == 2
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """the pool's threads do not survive fork(): the child must start new ones, not wait on ghosts"""
+    import os
+    x = np.random.default_rng(3).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [0, 1, 2, 3])
+    be = cpu.CpuBackend(360).set_n_threads(2)
+    ctx = Context()
+    a, ids, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(x)
+    ids.set(np.array([0, 1, 2, 3], np.int32))
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    be.graph_compute(gf)               # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            cpu.lib.mg_set_chunking(0, 0)
+            for _ in range(20):
+                be.graph_compute(gf)
+            code = 0 if np.array_equal(out.numpy(), want) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

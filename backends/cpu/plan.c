@@ -12,8 +12,11 @@
  *  - node i + 1 starts when node i's completed-chunk count reaches its chunk count: the caller
  *    waits only for chunks someone is running, never for a thread to arrive at a barrier; it
  *    returns when the last node is complete, whatever the workers are doing;
- *  - waiting spins briefly, then yields (sched_yield), then (workers only) sleeps: between runs on
- *    a futex, within a run in short naps.
+ *  - waiting spins briefly, then workers sleep (between runs on a futex, within a run in short
+ *    naps) and the caller yields (sched_yield) to a worker finishing a chunk on its core;
+ *  - a run where the caller waited far longer for a worker's chunk than its own chunks took (the
+ *    worker was descheduled holding it) is finished by the caller alone, and the next runs stay
+ *    on the caller's thread for a backoff (2 ms, doubling to 256 ms on repeated stalls).
  * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
  * reads is the pool's own and tagged with the run's generation, and it touches the plan's records
  * only after claiming a chunk with a CAS that succeeds only while that run is live (the caller
@@ -30,6 +33,7 @@
 #include <unistd.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -152,6 +156,7 @@ static struct {
     _Atomic int sleepers;              /* workers in futex_wait on gen */
     _Atomic uint32_t abort_gen;        /* == gen when the caller stopped the run at a failed check */
     _Atomic uint32_t solo_gen;         /* == gen when the caller finishes the run alone (a stall) */
+    _Atomic int main_cpu;              /* the CPU the caller last ran a split node on */
     int64_t serial_until;              /* after a stall, runs stay on the caller's thread until then */
     int64_t backoff;                   /* the current serial stretch, ns (0: no recent stall) */
     /* the run descriptor (read by workers under the gen seqlock) */
@@ -172,25 +177,40 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-#define SPIN_NS 4000          /* pure spinning before yielding */
+#define SPIN_NS 4000          /* the caller spins this long for a chunk before yielding */
 #define STALL_MIN_NS 30000    /* waiting this much longer than twice the caller's own chunk time */
 #define BACKOFF_MIN_NS 2000000
 #define BACKOFF_MAX_NS 256000000
-#define WORKER_NAP_NS 200000  /* a worker waiting this long within a run naps between checks */
-#define IDLE_SPIN_NS 100000   /* a worker waits this long for the next run before sleeping */
+#define WORKER_SPIN_NS 20000  /* a worker spins this long within a run, then naps between checks */
+#define WORKER_NAP_NS 10000
+#define IDLE_SPIN_NS 50000    /* a worker spins this long for the next run, then sleeps (futex) */
 
-/* one step of a wait that started at t0 (0: not yet timed); returns the updated t0 */
-static inline int64_t wait_step(int64_t t0, int64_t *iter, int may_nap) {
+/* Workers never sched_yield: on a core shared with a busy process, yielding hands that process
+ * the rest of a scheduler slice (milliseconds) while the worker stays runnable but last in line,
+ * so it would rarely be there to take a chunk. Spinning keeps its fair share; sleeping (a nap,
+ * or the futex between runs) gives the core away and comes back with the scheduler's wakeup
+ * preference. The caller does yield while it waits for a chunk: a worker sharing its core gets
+ * to finish it. */
+
+/* A worker the scheduler put on the caller's CPU (a futex wake tends to pull the wakee to the
+ * waker's CPU, and on a loaded machine nothing moves it away) would only take turns with the
+ * caller (and a timed nap there would preempt the caller each time it ends): it leaves the run
+ * and sleeps on the futex until the next one, which may find it elsewhere. */
+static inline int on_main_cpu(void) {
+    return sched_getcpu() == atomic_load_explicit(&P.main_cpu, memory_order_relaxed);
+}
+
+/* one step of a worker's wait that started at t0 (0: not yet timed); returns the updated t0, or
+ * -1 when the worker should leave the run (it is on the caller's CPU) */
+static inline int64_t wait_step(int64_t t0, int64_t *iter) {
     if (++*iter < 64) { cpu_relax(); return t0; }
     *iter = 0;
+    if (on_main_cpu()) return -1;
     const int64_t t = now_ns();
     if (t0 == 0) return t;
-    if (t - t0 < SPIN_NS) { cpu_relax(); return t0; }
-    if (may_nap && t - t0 > WORKER_NAP_NS) {
-        const struct timespec ts = {0, 20000};
+    if (t - t0 > WORKER_SPIN_NS) {
+        const struct timespec ts = {0, WORKER_NAP_NS};
         nanosleep(&ts, NULL);
-    } else {
-        sched_yield();
     }
     return t0;
 }
@@ -230,7 +250,7 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error 
                 if (d == want) break;
                 if (GEN(d) != v->gen || left(v->gen))
                     return MG_OK;   /* the run is over, stopped or left to the caller */
-                t0 = wait_step(t0, &it, 1);
+                if ((t0 = wait_step(t0, &it)) < 0) return MG_OK;
             }
         }
         uint64_t w = atomic_load_explicit(&ns->claim, memory_order_acquire);
@@ -250,9 +270,11 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error 
                 w = atomic_load_explicit(&ns->claim, memory_order_acquire);
                 if (GEN(w) != v->gen || left(v->gen)) return MG_OK;
                 if (w & CL_OPEN) break;
-                t0 = wait_step(t0, &it, 1);
+                if ((t0 = wait_step(t0, &it)) < 0) return MG_OK;
             }
         }
+        if (main_thread && n > 1) atomic_store_explicit(&P.main_cpu, sched_getcpu(), memory_order_relaxed);
+        else if (!main_thread && on_main_cpu()) continue;   /* see on_main_cpu */
         const int64_t t_start = main_thread && n > 1 ? now_ns() : 0;
         int ran = 0;
         for (;;) {
@@ -299,24 +321,27 @@ typedef struct { int index; uint32_t seen; } worker_arg;
 static void *worker_main(void *arg) {
     worker_arg a = *(worker_arg *)arg;
     free(arg);
+    prctl(PR_SET_TIMERSLACK, 1000UL);   /* naps of 10 us, not the default slack's 60 */
     uint32_t seen = a.seen;
     mg_error dummy;
     for (;;) {
-        /* wait for a published run newer than the last one seen: spin, yield, then sleep */
+        /* wait for a published run newer than the last one seen: spin, then sleep */
         uint32_t g;
         int64_t t0 = 0, it = 0;
         for (;;) {
             g = atomic_load_explicit(&P.gen, memory_order_acquire);
             if (g != seen && !(g & 1)) break;
             if (g & 1) { cpu_relax(); continue; }   /* being published: moments away */
-            if (t0 != 0 && now_ns() - t0 > IDLE_SPIN_NS && it == 0) {
+            if (++it < 64) { cpu_relax(); continue; }
+            it = 0;
+            const int64_t t = now_ns();
+            if (t0 == 0) t0 = t;
+            if (t - t0 > IDLE_SPIN_NS || on_main_cpu()) {
                 atomic_fetch_add(&P.sleepers, 1);
                 if (atomic_load(&P.gen) == g) futex(&P.gen, FUTEX_WAIT_PRIVATE, g);
                 atomic_fetch_sub(&P.sleepers, 1);
                 t0 = 0;
-                continue;
             }
-            t0 = wait_step(t0, &it, 0);
         }
         seen = g;
         /* the run's descriptor, consistent with g (seqlock) */
