@@ -16,7 +16,9 @@
  *    naps) and the caller yields (sched_yield) to a worker finishing a chunk on its core;
  *  - a run where the caller waited far longer for a worker's chunk than its own chunks took (the
  *    worker was descheduled holding it) is finished by the caller alone, and the next runs stay
- *    on the caller's thread for a backoff (2 ms, doubling to 256 ms on repeated stalls).
+ *    on the caller's thread for a backoff (2 ms, doubling to 256 ms on repeated stalls);
+ *  - a worker the scheduler placed on the caller's CPU stands aside (on_main_cpu).
+ * A plan whose nodes are all one chunk never involves the workers.
  * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
  * reads is the pool's own and tagged with the run's generation, and it touches the plan's records
  * only after claiming a chunk with a CAS that succeeds only while that run is live (the caller
