@@ -560,11 +560,19 @@ def main(argv=None):
     for ln in tail:
         print(ln)
     if args.write:
+        try:
+            import subprocess
+            rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip() or "unknown"
+        except Exception:  # pragma: no cover - no git
+            rev = "unknown"
         text = ["## Op rows, script-written (`bench/ops.py --write`)", "",
-                f"Command: `{cmd.strip()}`; wall {time.time() - t_start:.0f} s. {machine0} at the start; "
-                f"{machine_line().split(', load average ')[1]} at the end (load average).", ""]
+                f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
+                f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
+                f"this machine, not counting the benchmark's own busy process).", ""]
         if out:
-            text += ["Quiet rows (medians of alternating repetitions):", "", "```", *out, "```", ""]
+            text += ["Rows without the benchmark's busy process (medians of alternating repetitions; the "
+                     "machine's other load is whatever the load average says):", "", "```", *out, "```", ""]
         if cont_lines:
             text += ["Contention rows (one busy-loop process spinning a core; per-call medians and 90th "
                      "percentiles; T/1T = minigraph's median against its own 1-thread median):", "",
