@@ -191,3 +191,41 @@ def test_a_forked_child_starts_its_own_workers():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(split_everything):
+    """A worker that sleeps 20 ms in every chunk it claims: the caller detects the stall, finishes
+    the run alone, keeps the next runs on its own thread for a while (backoff), and every result is
+    exact. (Skipped when the worker never takes a chunk: on a loaded machine it may only ever be
+    placed on the caller's CPU, where it stands aside.)"""
+    x = np.random.default_rng(4).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [3, 1, 4, 1])
+    be = cpu.CpuBackend(370).set_n_threads(2)
+    ctx = Context()
+    a, ids, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(x)
+    ids.set(np.array([3, 1, 4, 1], np.int32))
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    be.graph_compute(gf)
+    st = cpu.ffi.new("int64_t[5]")
+    cpu.lib.mg_pool_stats(st)
+    before = list(st)
+    import time
+    cpu.lib.mg_debug_worker_delay(20_000_000)
+    try:
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end:
+            be.graph_compute(gf)
+            assert np.array_equal(out.numpy(), want)
+            cpu.lib.mg_pool_stats(st)
+            if st[2] > before[2] and st[1] > before[1]:
+                break
+    finally:
+        cpu.lib.mg_debug_worker_delay(0)
+    parallel, serial, stalls, _, worker_chunks = (y - x for x, y in zip(before, st))
+    if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
+        pytest.skip("the worker took no chunk in 3 s")
+    assert stalls >= 1 and serial >= 1, (parallel, serial, stalls)
+    be.graph_compute(gf)
+    assert np.array_equal(out.numpy(), want)

@@ -48,6 +48,8 @@ void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost);
 /* the executor's counters since load: parallel runs, runs kept serial after a stall, stalls,
  * ns the caller waited for others' chunks, chunks run by workers */
 void mg_pool_stats(int64_t out[5]);
+/* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
+void mg_debug_worker_delay(int64_t ns);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

@@ -226,6 +226,10 @@ typedef struct {
 
 /* Walk the nodes of run v as thread `main_thread` (the caller: opens check nodes, runs the
  * one-chunk nodes, waits for the end) or a worker. Returns MG_OK, or for the caller the error. */
+/* tests: a worker sleeps this long after claiming each chunk (a descheduled worker, on demand) */
+static _Atomic int64_t debug_worker_delay_ns = 0;
+void mg_debug_worker_delay(int64_t ns) { atomic_store(&debug_worker_delay_ns, ns); }
+
 /* counters for tests and tuning (caller-side, under run_lock) */
 static int64_t st_parallel, st_serial_backoff, st_stalls, st_wait_ns, st_worker_chunks;
 
@@ -285,6 +289,13 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error 
             if (atomic_compare_exchange_weak_explicit(&ns->claim, &w, w + 1, memory_order_acq_rel,
                                                       memory_order_acquire)) {
                 mg_node *nd = &v->nodes[i];           /* claimed: the run is live until we report */
+                if (!main_thread) {
+                    const int64_t delay = atomic_load_explicit(&debug_worker_delay_ns, memory_order_relaxed);
+                    if (delay > 0) {
+                        const struct timespec ts = {delay / 1000000000, delay % 1000000000};
+                        nanosleep(&ts, NULL);
+                    }
+                }
                 kernel_for(nd->op)(nd, CL_C(w), n);
                 atomic_fetch_add_explicit(&ns->done, 1, memory_order_release);
                 ran++;
