@@ -1,11 +1,19 @@
 """Op benchmarks: minigraph's cpu backend against NumPy and real ggml (libggml-python), measured
 in the same process, alternating, medians of repetitions.
 
-    python bench/ops.py            # full run
-    python bench/ops.py --quick    # under two minutes
+    python bench/ops.py                  # full run: quiet rows, then the contention rows
+    python bench/ops.py --quick          # fewer repetitions
+    python bench/ops.py --contention     # the contention rows only
+    python bench/ops.py --quick --write  # also (re)write this script's section of bench/RESULTS.md
 
 Prints one line per (op, shape, threads) with times and the ratios ggml/minigraph and
-numpy/minigraph (> 1: minigraph is faster); the last line is the smallest ggml/minigraph ratio.
+numpy/minigraph (> 1: minigraph is faster). Then the contention rows: the same rows again while
+one busy-loop process (started and stopped here) holds a core, each call timed on its own,
+medians and 90th percentiles, minigraph against ggml under the same competition and against its
+own 1-thread time. The last lines are
+    gemm: numpy/minigraph at 4096x4096x512: R
+    contention: worst 2-thread/1-thread ratio: R (...)
+    min ratio ggml/minigraph: R (...)          (over the quiet rows)
 minigraph is timed through `backend.graph_compute(gf)` on a graph whose plan is cached (the
 Python entry cost included); ggml through `ggml_graph_compute` on a prebuilt graph and cplan with
 a persistent threadpool; NumPy as one idiomatic expression (BLAS threading is its own).
@@ -121,11 +129,32 @@ def mul_mat_case(n, k=4096, m=4096):
     return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn, moved
 
 
+def unary_case(op, ne0=4096, ne1=64):
+    """the exp-based unary ops (vectorised exp) on 1 MiB of f32"""
+    fn = {"EXP": mg.exp, "SIGMOID": mg.sigmoid, "SILU": mg.silu, "SOFTPLUS": mg.softplus}[op]
+
+    def build(rng, b):
+        return fn(b.leaf(mg.f32, (ne0, ne1), data=rng.uniform(-8, 8, (ne1, ne0)).astype(np.float32)))
+
+    def numpy_fn(arrs):
+        x = arrs[0]
+        if op == "EXP":
+            return np.exp(x)
+        if op == "SIGMOID":
+            return np.float32(1) / (np.float32(1) + np.exp(-x))
+        if op == "SILU":
+            return x / (np.float32(1) + np.exp(-x))
+        return np.where(x > np.float32(20), x, np.log(np.float32(1) + np.exp(x)))
+    return op, f"[{ne0}, {ne1}] uniform(-8, 8)", build, numpy_fn, 2 * ne0 * ne1 * 4
+
+
 def all_cases(quick):
     cases = []
     for n_t in (1, 8, 512):
         for n_s in (1, 4):
             cases.append(ssm_conv_case(4096, n_t, n_s))
+    for op in ("EXP", "SIGMOID", "SILU", "SOFTPLUS"):
+        cases.append(unary_case(op))
     cases.append(conv_store_case(4))
     cases.append(concat_case(8))
     cases.append(concat_case(512))
@@ -181,8 +210,9 @@ class GgmlRunner:
             t = g[leaf] = lib.ggml_new_tensor(self.ctx, leaf.type.ggml_id, 4, leaf.ne)
             data = np.ascontiguousarray(b.data[leaf], dtype=leaf.type.np_dtype)
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
+        gb = go.GgmlBuilder(self.ctx)
         for node in gf.nodes:
-            g[node] = go._TRANSLATE[node.op](self.ctx, node, lambda name, node=node: g[node.srcs[name]])
+            g[node] = go.translate(gb, node, lambda name, node=node: g[node.srcs[name]])
         self.g, self.out = g, mg_runner.out
         self.cgraph = lib.ggml_new_graph_custom(self.ctx, size, False)
         for o in outs:
@@ -270,6 +300,151 @@ def time_alternating(runners: dict, reps: int, inner: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def time_per_call(runners: dict, reps: int, min_time: float) -> dict:
+    """Every call timed on its own (contention makes the distribution long-tailed): reps rounds,
+    each running every runner in turn (rotating who goes first) for about min_time, at least 2
+    calls. Returns {name: sorted list of seconds per call}."""
+    times = {k: [] for k in runners}
+    order = list(runners)
+    for r in range(reps):
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            fn = runners[k]
+            pausable = hasattr(fn, "pause")
+            if pausable:
+                fn.resume()
+            fn()
+            t_end = time.perf_counter() + min_time
+            n = 0
+            while n < 2 or time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+                n += 1
+            if pausable:
+                fn.pause()
+    return {k: sorted(v) for k, v in times.items()}
+
+
+def pct(sorted_ts, q):
+    return sorted_ts[min(len(sorted_ts) - 1, int(q * len(sorted_ts)))]
+
+
+class BusyProcess:
+    """One process spinning a core for the duration of a `with` block (the competition a
+    shared machine gives: another job, a test run)."""
+
+    def __enter__(self):
+        import subprocess
+        self.p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        self.p.kill()
+        self.p.wait()
+
+
+def bench_case_contention(case, threads, reps, min_time):
+    """minigraph at each thread count and ggml at each, per-call times while a BusyProcess runs
+    (the caller holds it). Returns {(runtime, n_threads): sorted seconds}."""
+    op, shape, build, _, _ = case
+    runners, ggs = {}, []
+    try:
+        for nt in threads:
+            m = MgRunner(build, nt)
+            runners[("minigraph", nt)] = m
+            if go is not None:
+                try:
+                    gg = GgmlRunner(m, nt)
+                    ggs.append(gg)
+                    runners[("ggml", nt)] = gg
+                except go.GgmlRefuses:
+                    pass
+        return time_per_call(runners, reps, min_time)
+    finally:
+        for gg in ggs:
+            gg.close()
+
+
+def contention_rows(cases, threads, reps, min_time):
+    """The contention table (printed as it goes) and the worst 2-thread/1-thread ratio of
+    minigraph's medians: (lines, worst, failures against ggml)."""
+    lines = []
+    hdr = (f"{'op':9s} {'shape':48s} {'T':>2s} {'mg median':>11s} {'mg p90':>11s} {'ggml median':>11s} "
+           f"{'ggml p90':>11s} {'ggml/mg':>8s} {'T/1T':>6s}")
+    print(f"contention: the same rows while one busy process spins a core (per-call medians)")
+    print(hdr)
+    lines.append(hdr)
+    worst, slower = None, []
+    with BusyProcess():
+        for case in cases:
+            t = bench_case_contention(case, threads, reps, min_time)
+            one = pct(t[("minigraph", min(threads))], 0.5)
+            for nt in threads:
+                m = t[("minigraph", nt)]
+                g = t.get(("ggml", nt))
+                mm, m90 = pct(m, 0.5), pct(m, 0.9)
+                gm, g90 = (pct(g, 0.5), pct(g, 0.9)) if g else (None, None)
+                rg = gm / mm if gm else float("nan")
+                r1 = mm / one
+                line = (f"{case[0]:9s} {case[1]:48s} {nt:2d} {fmt(mm)} {fmt(m90)} "
+                        f"{fmt(gm) if gm else '        -':>11s} {fmt(g90) if g90 else '        -':>11s} "
+                        f"{rg:8.2f} {r1:6.2f}")
+                print(line, flush=True)
+                lines.append(line)
+                if nt > 1 and (worst is None or r1 > worst[0]):
+                    worst = (r1, case[0], case[1], nt)
+                if gm and rg < 1.0:
+                    slower.append((rg, case[0], case[1], nt))
+    return lines, worst, slower
+
+
+def machine_line() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    model = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cores = os.cpu_count()
+    la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"Machine: {model}, {cores} cores, load average {la}"
+
+
+SECTION_BEGIN = "<!-- bench/ops.py --write: begin (this section is rewritten by the script) -->"
+SECTION_END = "<!-- bench/ops.py --write: end -->"
+
+
+def write_results(text: str, path=os.path.join(ROOT, "bench", "RESULTS.md")):
+    """Replace this script's section of bench/RESULTS.md (between the markers), or insert it
+    before the model benchmarks (appended when that heading is absent)."""
+    block = f"{SECTION_BEGIN}\n{text.rstrip()}\n{SECTION_END}\n"
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except FileNotFoundError:
+        doc = ""
+    if SECTION_BEGIN in doc and SECTION_END in doc:
+        a = doc.index(SECTION_BEGIN)
+        b = doc.index(SECTION_END) + len(SECTION_END)
+        if doc[b:b + 1] == "\n":
+            b += 1
+        doc = doc[:a] + block + doc[b:]
+    elif "\n# Model benchmarks" in doc:
+        i = doc.index("\n# Model benchmarks") + 1
+        doc = doc[:i] + block + "\n" + doc[i:]
+    else:
+        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
+    with open(path, "w") as f:
+        f.write(doc)
+
+
 def copy_bandwidth(nbytes=64 << 20, reps=9) -> float:
     """NumPy's copy bandwidth on this machine, read + write bytes per second."""
     src = np.random.default_rng(0).random(nbytes // 8)
@@ -312,46 +487,98 @@ def fmt(t):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma separated")
     ap.add_argument("--filter", default="", help="only ops whose name contains this")
+    ap.add_argument("--contention", action="store_true", help="only the contention rows")
+    ap.add_argument("--no-contention", action="store_true", help="skip the contention rows")
+    ap.add_argument("--write", action="store_true",
+                    help="write the tables and a machine line into bench/RESULTS.md (its own section)")
     args = ap.parse_args(argv)
     reps, min_time = (5, 0.02) if args.quick else (15, 0.05)
     threads = [int(t) for t in args.threads.split(",")]
+    cmd = "python bench/ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    machine0 = machine_line()
+    t_start = time.time()
     if go is None:
         print(f"ggml not available ({GGML_ERROR}); ratios against ggml are omitted")
-    bw = copy_bandwidth()
-    print(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
-    print(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
-          f"{'ggml/mg':>8s} {'np/mg':>8s} {'GB/s':>6s} {'%copy':>6s}")
+    cases = [c for c in all_cases(args.quick) if not args.filter or args.filter.upper() in c[0]]
+    out = []      # the quiet table's lines
     worst = None
-    for case in all_cases(args.quick):
-        if args.filter and args.filter.upper() not in case[0]:
-            continue
-        for nt in threads:
-            t = bench_case(case, nt, reps, min_time)
-            mg_t = t["minigraph"]
-            g = t.get("ggml")
-            rg = g / mg_t if g else float("nan")
-            rn = t["numpy"] / mg_t
-            moved = case[4]
-            gbs = f"{moved / mg_t / 1e9:6.1f} {moved / mg_t / bw:6.0%}" if moved else f"{'-':>6s} {'-':>6s}"
-            print(f"{case[0]:9s} {case[1]:48s} {nt:2d} {fmt(mg_t)} {fmt(g) if g else '        -':>11s} "
-                  f"{fmt(t['numpy'])} {rg:8.2f} {rn:8.2f} {gbs}", flush=True)
-            if g and (worst is None or rg < worst[0]):
-                worst = (rg, case[0], case[1], nt)
-    if not args.filter:
-        for nt in threads:
-            mg.backend("cpu").set_n_threads(nt)
-            steps = decode_graph_step()
-            (t_full, n_nodes), (t_tiny, _) = steps[1024], steps[8]
-            print(f"24-layer decode graph ({n_nodes} nodes, n_embd 1024), {nt} threads: {fmt(t_full)} per step; "
-                  f"outside kernels ~{fmt(t_tiny)} ({t_tiny / t_full:.0%} of the step, "
-                  f"{t_tiny / n_nodes * 1e6:.2f} us per node)")
+    gemm = None
+    if not args.contention:
+        bw = copy_bandwidth()
+        out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
+        out.append(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
+                   f"{'ggml/mg':>8s} {'np/mg':>8s} {'GB/s':>6s} {'%copy':>6s}")
+        print(out[0])
+        print(out[1])
+        for case in cases:
+            for nt in threads:
+                t = bench_case(case, nt, reps, min_time)
+                mg_t = t["minigraph"]
+                g = t.get("ggml")
+                rg = g / mg_t if g else float("nan")
+                rn = t["numpy"] / mg_t
+                moved = case[4]
+                gbs = f"{moved / mg_t / 1e9:6.1f} {moved / mg_t / bw:6.0%}" if moved else f"{'-':>6s} {'-':>6s}"
+                line = (f"{case[0]:9s} {case[1]:48s} {nt:2d} {fmt(mg_t)} {fmt(g) if g else '        -':>11s} "
+                        f"{fmt(t['numpy'])} {rg:8.2f} {rn:8.2f} {gbs}")
+                print(line, flush=True)
+                out.append(line)
+                if g and (worst is None or rg < worst[0]):
+                    worst = (rg, case[0], case[1], nt)
+                if case[0] == "MUL_MAT" and case[1] == "4096x4096 by 4096x512" and (gemm is None or nt >= gemm[1]):
+                    gemm = (rn, nt)
+        if not args.filter:
+            for nt in threads:
+                mg.backend("cpu").set_n_threads(nt)
+                steps = decode_graph_step()
+                (t_full, n_nodes), (t_tiny, _) = steps[1024], steps[8]
+                line = (f"24-layer decode graph ({n_nodes} nodes, n_embd 1024), {nt} threads: {fmt(t_full)} per step; "
+                        f"outside kernels ~{fmt(t_tiny)} ({t_tiny / t_full:.0%} of the step, "
+                        f"{t_tiny / n_nodes * 1e6:.2f} us per node)")
+                print(line, flush=True)
+                out.append(line)
+    cont_lines, cworst, slower = [], None, []
+    if not args.no_contention and len(threads) > 0:
+        # per-call timing needs fewer rounds (every call is a sample)
+        cont_lines, cworst, slower = contention_rows(cases, threads, 3 if args.quick else 7, min_time)
+    tail = []
+    if gemm:
+        tail.append(f"gemm: numpy/minigraph at 4096x4096x512: {gemm[0]:.2f} ({gemm[1]} threads)")
+    if cont_lines:
+        if cworst:
+            tail.append(f"contention: worst {cworst[3]}-thread/1-thread ratio: {cworst[0]:.2f} "
+                        f"({cworst[1]} at {cworst[2]}; rows slower than ggml under contention: {len(slower)})")
+        else:
+            tail.append("contention: worst 2-thread/1-thread ratio: n/a (one thread count only)")
     if worst:
-        print(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
-    else:
-        print("min ratio ggml/minigraph: n/a (ggml not available)")
+        tail.append(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
+    elif not args.contention:
+        tail.append("min ratio ggml/minigraph: n/a (ggml not available)")
+    for ln in tail:
+        print(ln)
+    if args.write:
+        try:
+            import subprocess
+            rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip() or "unknown"
+        except Exception:  # pragma: no cover - no git
+            rev = "unknown"
+        text = ["## Op rows, script-written (`bench/ops.py --write`)", "",
+                f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
+                f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
+                f"this machine, not counting the benchmark's own busy process).", ""]
+        if out:
+            text += ["Rows without the benchmark's busy process (medians of alternating repetitions; the "
+                     "machine's other load is whatever the load average says):", "", "```", *out, "```", ""]
+        if cont_lines:
+            text += ["Contention rows (one busy-loop process spinning a core; per-call medians and 90th "
+                     "percentiles; T/1T = minigraph's median against its own 1-thread median):", "",
+                     "```", *cont_lines, "```", ""]
+        text += ["```", *tail, "```"]
+        write_results("\n".join(text))
 
 
 if __name__ == "__main__":

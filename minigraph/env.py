@@ -36,8 +36,6 @@ VARIABLES = [
              "print splits and copies when a graph is scheduled (2: every node's device and cause too)"),
     Variable("MINIGRAPH_PORTABLE", "flag", False,
              "compile the CPU kernels without -march=native", when="build"),
-    Variable("MINIGRAPH_OPENMP", "flag", True,
-             "compile the CPU kernels with OpenMP (off: single-threaded)", when="build"),
     Variable("MINIGRAPH_ASAN", "flag", False,
              "compile the CPU kernels with AddressSanitizer", when="build"),
     Variable("CXX", "text", "g++",

@@ -2,21 +2,16 @@
 
 `compute_nodes(nodes)` turns a node list into a plan once (an array of C node records: op
 code, data pointers and ne/nb of dst and sources, params), caches it by the identity of the
-node list and the memory bound to its tensors, and runs the whole plan in one C call with a
-team of worker threads that split each node and meet at a barrier between nodes."""
+node list and the memory bound to its tensors, and runs the whole plan in one C call: the
+caller's thread and persistent pool workers take chunks of each node dynamically, small nodes run
+on the caller's thread alone, and no thread waits for one that is not working (plan.c)."""
 from __future__ import annotations
 
+import operator
 import os
+import warnings
 import weakref
 from collections import OrderedDict
-
-# libgomp reads these when the extension loads. Its default spins ~300k iterations after every
-# parallel region, so idle workers keep burning a core long after a plan has run and steal it
-# from Python and from other processes (2-core machines stall badly). A short spin keeps the
-# per-node barrier fast and lets idle workers sleep. (OMP_WAIT_POLICY=PASSIVE is far slower:
-# every barrier sleeps.) Users can override either variable.
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "20000"
 
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
@@ -98,8 +93,21 @@ class CpuPlan:
         self.epoch = -1             # bind epoch at which it was last known valid
 
 
+def _cores() -> int:
+    """The CPUs this process may run on (its affinity mask)."""
+    if lib is not None:
+        return max(1, int(lib.mg_max_threads()))
+    return os.cpu_count() or 1
+
+
+_oversubscribed_warned = False
+
+
 class CpuBackend(HostBackend):
-    n_threads = os.cpu_count() or 1
+    # Default: every core. The executor stays graceful when a core is busy elsewhere (a worker
+    # that is descheduled takes no chunk and nobody waits for it), so the default does not lose
+    # to one thread on a shared machine (bench/ops.py's contention rows measure it).
+    n_threads = _cores()
     max_plans = 32
 
     def __init__(self, idx: int = 0):
@@ -112,9 +120,23 @@ class CpuBackend(HostBackend):
         self.plans_built = 0
 
     def set_n_threads(self, n: int) -> "CpuBackend":
-        n = int(n)
+        """Threads per plan run (the caller's and n - 1 pool workers). n must be a positive
+        integer; more than the cores is allowed (warned once per process): the executor never
+        waits for a thread that is not running, but extra threads buy nothing."""
+        global _oversubscribed_warned
+        if isinstance(n, bool):
+            raise ValueError(f"n_threads must be a positive integer, got {n!r}")
+        try:
+            n = operator.index(n)
+        except TypeError:
+            raise ValueError(f"n_threads must be a positive integer, got {n!r}") from None
         if n < 1:
             raise ValueError(f"n_threads must be >= 1, got {n}")
+        cores = _cores()
+        if n > cores and not _oversubscribed_warned:
+            _oversubscribed_warned = True
+            warnings.warn(f"n_threads {n} is more than the {cores} cores this process may use: "
+                          f"the extra threads only share those cores", RuntimeWarning, stacklevel=2)
         self.n_threads = n
         return self
 

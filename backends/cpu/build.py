@@ -6,8 +6,8 @@ Build switches (environment variables read at build time):
                         baseline; the f16 conversion then uses the portable bit routine).
   MINIGRAPH_ASAN=1      build with -fsanitize=address (run Python with
                         LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0).
-  MINIGRAPH_OPENMP=0    build without OpenMP (single-threaded executor).
-Defaults: -O3 -march=native (like ggml's GGML_NATIVE) with OpenMP. -ffp-contract=off keeps
+Defaults: -O3 -march=native (like ggml's GGML_NATIVE); the executor's threads are its own
+persistent pthread pool (plan.c), linked with -pthread. -ffp-contract=off keeps
 every multiply and add rounded separately, as the NumPy reference does; the matmul uses FMA
 explicitly through intrinsics.
 """
@@ -46,9 +46,8 @@ def compile_args():
     link = []
     if not _flag("MINIGRAPH_PORTABLE"):
         args.append("-march=native")
-    if _flag("MINIGRAPH_OPENMP"):
-        args.append("-fopenmp")
-        link.append("-fopenmp")
+    args.append("-pthread")
+    link.append("-pthread")
     if _flag("MINIGRAPH_ASAN"):
         args += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
         link.append("-fsanitize=address")

@@ -139,6 +139,11 @@ static inline int32_t mg_f_to_i32(double x) {
     return INT32_MIN;
 }
 
+/* exp of f32 (elementwise.c): within 1 ulp, the same bits whether a value goes through the row
+ * function (vectorised) or alone; d may alias s */
+void mg_exp_row(const float *s, float *d, int64_t n);
+float mg_exp(float x);
+
 /* convert (or copy) n elements between strided rows; dst/src strides in bytes */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
 

@@ -23,6 +23,7 @@ typedef struct mg_node {
     mg_tensor src[7];           /* MG_MAX_SRC; in the registry's source order */
     float     fp[4];            /* the op's float params, in the registry's declaration order */
     int64_t   ip[4];            /* the op's int and bool params, in declaration order */
+    int64_t   cost;             /* the executor's work estimate, filled on the first run (0: not yet) */
 } mg_node;
 
 typedef struct mg_error {
@@ -38,7 +39,17 @@ typedef struct mg_error {
  * mg_op_name(i); Python maps names to codes once at load time */
 int mg_op_count(void);
 const char *mg_op_name(int code);
-int mg_plan_run(const mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
-int mg_max_threads(void);
+/* runs the records in order with n_threads threads (the caller's and pool workers); fills each
+ * record's cost on first use */
+int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
+/* the executor's node split: a node below par_min_cost bytes-equivalent is one chunk, and no
+ * chunk gets less than chunk_min_cost (tests set 0, 0 to split everything; -1 restores a default) */
+void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost);
+/* the executor's counters since load: parallel runs, runs kept serial after a stall, stalls,
+ * ns the caller waited for others' chunks, chunks run by workers */
+void mg_pool_stats(int64_t out[5]);
+/* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
+void mg_debug_worker_delay(int64_t ns);
+int mg_max_threads(void);   /* the CPUs this process may run on */
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

@@ -1,13 +1,49 @@
-/* The plan executor: one call runs every node record of a plan. A team of n_threads OpenMP
- * threads splits each node's work and meets at a barrier between nodes. Index ops check
- * every index first: each thread runs the (pure, cheap) check itself, so all threads agree
- * without an extra barrier and stop at the same node before anything of it is written. */
+/* The plan executor: one call runs every node record of a plan.
+ *
+ * Threads that degrade gracefully. The caller's thread and n_threads - 1 persistent pool workers
+ * run a plan together, but nobody ever waits for a thread that is not working:
+ *  - each node gets a chunk count from its work (node_chunks: bytes touched, plus the multiply-adds
+ *    of MUL_MAT): a small node is one chunk, run by the caller's thread alone (no hand-off, no
+ *    barrier); a large one is split into up to CHUNKS_PER_THREAD chunks per thread;
+ *  - a kernel call runs chunk c of n (the kernels' own (ith, nth) split, with ith = c, nth = n:
+ *    every kernel gives bit-identical results whatever nth, so the chunking never changes a
+ *    reduction order); threads claim chunks from a per-node counter (CAS), so a descheduled
+ *    worker claims nothing and the others take its share;
+ *  - node i + 1 starts when node i's completed-chunk count reaches its chunk count: the caller
+ *    waits only for chunks someone is running, never for a thread to arrive at a barrier; it
+ *    returns when the last node is complete, whatever the workers are doing;
+ *  - waiting spins briefly, then workers sleep (between runs on a futex, within a run in short
+ *    naps) and the caller yields (sched_yield) to a worker finishing a chunk on its core;
+ *  - a run where the caller waited far longer for a worker's chunk than its own chunks took (the
+ *    worker was descheduled holding it) is finished by the caller alone, and the next runs stay
+ *    on the caller's thread for a backoff (2 ms, doubling to 256 ms on repeated stalls);
+ *  - a worker the scheduler placed on the caller's CPU stands aside (on_main_cpu).
+ * A plan whose nodes are all one chunk never involves the workers.
+ * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
+ * reads is the pool's own and tagged with the run's generation, and it touches the plan's records
+ * only after claiming a chunk with a CAS that succeeds only while that run is live (the caller
+ * waits for every claimed chunk). Ops with an index check are opened by the caller's thread
+ * after it ran the check: a failing check stops the run before anything of that node is written.
+ * A second plan run started while one is in flight (another Python thread: cffi releases the GIL)
+ * runs on its caller's thread alone. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
+#include <time.h>
+#include <unistd.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
 #endif
 #include "mg.h"
-
 /* the kernel table, filled by the MG_KERNEL registrations as the extension loads (before any
  * call into it, so no locking); a record's op is an index into it */
 #define MG_MAX_KERNELS 256
@@ -52,49 +88,398 @@ static int pre_node(const mg_node *nd, int i, mg_error *err) {
 }
 
 int mg_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
 }
 
-int mg_plan_run(const mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
-    memset(err, 0, sizeof *err);
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads == 1 || n_nodes == 0) {
-        for (int i = 0; i < n_nodes; i++) {
-            if (pre_node(&nodes[i], i, err)) return err->code;
-            kernel_for(nodes[i].op)(&nodes[i], 0, 1);
-        }
-        return MG_OK;
+/* ---- chunking policy ---- */
+static int64_t PAR_MIN_COST = 64 << 10;    /* below this many bytes-equivalent a node is one chunk */
+static int64_t CHUNK_MIN_COST = 16 << 10;  /* and no chunk gets less than this */
+
+/* tests: (0, 0) splits every node into CHUNKS_PER_THREAD chunks per thread; negative: default */
+void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost) {
+    PAR_MIN_COST = par_min_cost < 0 ? 64 << 10 : par_min_cost;
+    CHUNK_MIN_COST = chunk_min_cost < 0 ? 16 << 10 : chunk_min_cost;
+}
+#define CHUNKS_PER_THREAD 4          /* dynamic balance: a late thread leaves at most ~1/4 of its share */
+#define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
+#define MAX_THREADS 512
+
+static int64_t tensor_bytes(const mg_tensor *t) {
+    if (t->data == NULL) return 0;
+    int64_t n = mg_nelements(t);
+    return n > 0 ? n * mg_type_size(t->type) : 0;
+}
+
+/* the work of a node in bytes-equivalent: bytes read and written, plus one per multiply-add of
+ * MUL_MAT (about what a core streams per multiply-add with the vector kernels) */
+static int64_t node_cost(const mg_node *nd) {
+    int64_t c = tensor_bytes(&nd->dst);
+    for (int j = 0; j < nd->n_src && j < MG_MAX_SRC; j++) c += tensor_bytes(&nd->src[j]);
+    const char *name = mg_op_name(nd->op);
+    if (name != NULL && strcmp(name, "MUL_MAT") == 0)
+        c += nd->src[0].ne[0] * nd->src[0].ne[1] * nd->src[1].ne[1] * nd->src[1].ne[2] * nd->src[1].ne[3];
+    return c;
+}
+
+static int node_chunks(mg_node *nd, int nth) {
+    if (nd->cost == 0) nd->cost = node_cost(nd) | 1;   /* cached in the record: shapes are fixed */
+    const int64_t cost = nd->cost;
+    if (cost < PAR_MIN_COST) return 1;
+    int64_t n = CHUNK_MIN_COST > 0 ? cost / CHUNK_MIN_COST : MAX_CHUNKS;
+    const int64_t cap = (int64_t)nth * CHUNKS_PER_THREAD;
+    if (n > cap) n = cap;
+    if (n > MAX_CHUNKS) n = MAX_CHUNKS;
+    return n < 2 ? 2 : (int)n;
+}
+
+/* ---- the pool ---- */
+/* per node, one cache line: claim = gen << 32 | open << 31 | n_chunks << 16 | claimed,
+ * done = gen << 32 | completed chunks */
+#define CL_OPEN ((uint64_t)1 << 31)
+#define CL_N(w) ((int)(((w) >> 16) & 0x7fff))
+#define CL_C(w) ((int)((w) & 0xffff))
+#define GEN(w) ((uint32_t)((w) >> 32))
+typedef struct {
+    _Atomic uint64_t claim;
+    _Atomic uint64_t done;
+    char pad[64 - 2 * sizeof(uint64_t)];
+} node_sync;
+
+static struct {
+    pthread_mutex_t run_lock;          /* held by the thread whose run uses the pool */
+    int n_created;                     /* workers started */
+    _Atomic uint32_t gen;              /* futex word; even: run `gen` published, odd: being prepared */
+    _Atomic int sleepers;              /* workers in futex_wait on gen */
+    _Atomic uint32_t abort_gen;        /* == gen when the caller stopped the run at a failed check */
+    _Atomic uint32_t solo_gen;         /* == gen when the caller finishes the run alone (a stall) */
+    _Atomic int main_cpu;              /* the CPU the caller last ran a split node on */
+    int64_t serial_until;              /* after a stall, runs stay on the caller's thread until then */
+    int64_t backoff;                   /* the current serial stretch, ns (0: no recent stall) */
+    /* the run descriptor (read by workers under the gen seqlock) */
+    _Atomic(mg_node *) nodes;
+    _Atomic int n_nodes;
+    _Atomic int n_workers;
+    _Atomic(node_sync *) sync;
+    int sync_cap;
+} P = { .run_lock = PTHREAD_MUTEX_INITIALIZER };
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val) {
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, NULL, NULL, 0);
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+#define SPIN_NS 4000          /* the caller spins this long for a chunk before yielding */
+#define STALL_MIN_NS 30000    /* waiting this much longer than twice the caller's own chunk time */
+#define BACKOFF_MIN_NS 2000000
+#define BACKOFF_MAX_NS 256000000
+#define WORKER_SPIN_NS 20000  /* a worker spins this long within a run, then naps between checks */
+#define WORKER_NAP_NS 10000
+#define IDLE_SPIN_NS 50000    /* a worker spins this long for the next run, then sleeps (futex) */
+
+/* Workers never sched_yield: on a core shared with a busy process, yielding hands that process
+ * the rest of a scheduler slice (milliseconds) while the worker stays runnable but last in line,
+ * so it would rarely be there to take a chunk. Spinning keeps its fair share; sleeping (a nap,
+ * or the futex between runs) gives the core away and comes back with the scheduler's wakeup
+ * preference. The caller does yield while it waits for a chunk: a worker sharing its core gets
+ * to finish it. */
+
+/* A worker the scheduler put on the caller's CPU (a futex wake tends to pull the wakee to the
+ * waker's CPU, and on a loaded machine nothing moves it away) would only take turns with the
+ * caller (and a timed nap there would preempt the caller each time it ends): it leaves the run
+ * and sleeps on the futex until the next one, which may find it elsewhere. */
+static inline int on_main_cpu(void) {
+    return sched_getcpu() == atomic_load_explicit(&P.main_cpu, memory_order_relaxed);
+}
+
+/* one step of a worker's wait that started at t0 (0: not yet timed); returns the updated t0, or
+ * -1 when the worker should leave the run (it is on the caller's CPU) */
+static inline int64_t wait_step(int64_t t0, int64_t *iter) {
+    if (++*iter < 64) { cpu_relax(); return t0; }
+    *iter = 0;
+    if (on_main_cpu()) return -1;
+    const int64_t t = now_ns();
+    if (t0 == 0) return t;
+    if (t - t0 > WORKER_SPIN_NS) {
+        const struct timespec ts = {0, WORKER_NAP_NS};
+        nanosleep(&ts, NULL);
     }
-#ifdef _OPENMP
-    #pragma omp parallel num_threads(n_threads)
-    {
-        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
-        for (int i = 0; i < n_nodes; i++) {
-            mg_error e;
-            memset(&e, 0, sizeof e);
-            if (pre_node(&nodes[i], i, &e)) {   /* every thread reaches the same verdict */
-                if (ith == 0) *err = e;
-                break;
+    return t0;
+}
+
+typedef struct {
+    mg_node *nodes;
+    int n_nodes;
+    node_sync *sync;
+    uint32_t gen;
+} run_view;
+
+/* Walk the nodes of run v as thread `main_thread` (the caller: opens check nodes, runs the
+ * one-chunk nodes, waits for the end) or a worker. Returns MG_OK, or for the caller the error. */
+/* tests: a worker sleeps this long after claiming each chunk (a descheduled worker, on demand) */
+static _Atomic int64_t debug_worker_delay_ns = 0;
+void mg_debug_worker_delay(int64_t ns) { atomic_store(&debug_worker_delay_ns, ns); }
+
+/* counters for tests and tuning (caller-side, under run_lock) */
+static int64_t st_parallel, st_serial_backoff, st_stalls, st_wait_ns, st_worker_chunks;
+
+void mg_pool_stats(int64_t out[5]) {
+    out[0] = st_parallel; out[1] = st_serial_backoff; out[2] = st_stalls; out[3] = st_wait_ns;
+    out[4] = st_worker_chunks;
+}
+
+static inline int left(uint32_t gen) {   /* the run was stopped or left to the caller alone */
+    return atomic_load_explicit(&P.abort_gen, memory_order_relaxed) == gen ||
+           atomic_load_explicit(&P.solo_gen, memory_order_relaxed) == gen;
+}
+
+static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error *err) {
+    const uint64_t tag = (uint64_t)v->gen << 32;
+    for (int i = 0; i < v->n_nodes; i++) {
+        node_sync *ns = &v->sync[i];
+        if (i > 0 && !main_thread) {   /* node i - 1 complete (the caller completes each node itself) */
+            node_sync *ps = &v->sync[i - 1];
+            const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ps->claim, memory_order_relaxed));
+            int64_t t0 = 0, it = 0;
+            for (;;) {
+                const uint64_t d = atomic_load_explicit(&ps->done, memory_order_acquire);
+                if (d == want) break;
+                if (GEN(d) != v->gen || left(v->gen))
+                    return MG_OK;   /* the run is over, stopped or left to the caller */
+                if ((t0 = wait_step(t0, &it)) < 0) return MG_OK;
             }
-            kernel_for(nodes[i].op)(&nodes[i], ith, nth);
-            /* libgomp's barrier measured faster here than a hand-written spin barrier
-             * (0.3 vs 0.7 us per node with 2 threads); the region's end joins the last node */
-            if (i + 1 < n_nodes) {
-                #pragma omp barrier
+        }
+        uint64_t w = atomic_load_explicit(&ns->claim, memory_order_acquire);
+        if (GEN(w) != v->gen) return MG_OK;   /* a worker late for a run that has ended */
+        if (main_thread && !(w & CL_OPEN)) {   /* an index check: run it, then open the node */
+            if (pre_node(&v->nodes[i], i, err)) {
+                atomic_store_explicit(&P.abort_gen, v->gen, memory_order_release);
+                return err->code;
+            }
+            w = atomic_fetch_or_explicit(&ns->claim, CL_OPEN, memory_order_acq_rel) | CL_OPEN;
+        }
+        const int n = CL_N(w);
+        if (n == 1 && !main_thread) continue;  /* one-chunk nodes are the caller's */
+        if (!main_thread && !(w & CL_OPEN)) {
+            int64_t t0 = 0, it = 0;
+            for (;;) {
+                w = atomic_load_explicit(&ns->claim, memory_order_acquire);
+                if (GEN(w) != v->gen || left(v->gen)) return MG_OK;
+                if (w & CL_OPEN) break;
+                if ((t0 = wait_step(t0, &it)) < 0) return MG_OK;
+            }
+        }
+        if (main_thread && n > 1) atomic_store_explicit(&P.main_cpu, sched_getcpu(), memory_order_relaxed);
+        else if (!main_thread && on_main_cpu()) continue;   /* see on_main_cpu */
+        const int64_t t_start = main_thread && n > 1 ? now_ns() : 0;
+        int ran = 0;
+        for (;;) {
+            if (GEN(w) != v->gen || CL_C(w) >= n) break;
+            if (!main_thread && left(v->gen)) return MG_OK;
+            if (atomic_compare_exchange_weak_explicit(&ns->claim, &w, w + 1, memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                mg_node *nd = &v->nodes[i];           /* claimed: the run is live until we report */
+                if (!main_thread) {
+                    const int64_t delay = atomic_load_explicit(&debug_worker_delay_ns, memory_order_relaxed);
+                    if (delay > 0) {
+                        const struct timespec ts = {delay / 1000000000, delay % 1000000000};
+                        nanosleep(&ts, NULL);
+                    }
+                }
+                kernel_for(nd->op)(nd, CL_C(w), n);
+                atomic_fetch_add_explicit(&ns->done, 1, memory_order_release);
+                ran++;
+                w = atomic_load_explicit(&ns->claim, memory_order_acquire);
+            }
+        }
+        if (main_thread && n > 1) {
+            st_worker_chunks += n - ran;
+            /* everything claimed: wait for the chunks others run. A wait far longer than the
+             * caller's own chunks took means a worker was descheduled holding one: the rest of
+             * the run is the caller's alone, and the next runs are too for a while (stalled) */
+            const uint64_t want = tag | (uint64_t)n;
+            if (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
+                const int64_t t_claimed = now_ns();
+                const int64_t limit = STALL_MIN_NS + (ran ? 2 * (t_claimed - t_start) / ran : 6 * STALL_MIN_NS);
+                int64_t it = 0, t = t_claimed;
+                while (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
+                    if (++it < 64) { cpu_relax(); continue; }
+                    it = 0;
+                    t = now_ns();
+                    if (!*stalled && t - t_claimed > limit) {
+                        *stalled = 1;
+                        atomic_store_explicit(&P.solo_gen, v->gen, memory_order_relaxed);
+                    }
+                    if (t - t_claimed > SPIN_NS) sched_yield();
+                }
+                st_wait_ns += now_ns() - t_claimed;
             }
         }
     }
-#else
+    return MG_OK;
+}
+
+typedef struct { int index; uint32_t seen; } worker_arg;
+
+static void *worker_main(void *arg) {
+    worker_arg a = *(worker_arg *)arg;
+    free(arg);
+    prctl(PR_SET_TIMERSLACK, 1000UL);   /* naps of 10 us, not the default slack's 60 */
+    uint32_t seen = a.seen;
+    mg_error dummy;
+    for (;;) {
+        /* wait for a published run newer than the last one seen: spin, then sleep */
+        uint32_t g;
+        int64_t t0 = 0, it = 0;
+        for (;;) {
+            g = atomic_load_explicit(&P.gen, memory_order_acquire);
+            if (g != seen && !(g & 1)) break;
+            if (g & 1) { cpu_relax(); continue; }   /* being published: moments away */
+            if (++it < 64) { cpu_relax(); continue; }
+            it = 0;
+            const int64_t t = now_ns();
+            if (t0 == 0) t0 = t;
+            if (t - t0 > IDLE_SPIN_NS || on_main_cpu()) {
+                atomic_fetch_add(&P.sleepers, 1);
+                if (atomic_load(&P.gen) == g) futex(&P.gen, FUTEX_WAIT_PRIVATE, g);
+                atomic_fetch_sub(&P.sleepers, 1);
+                t0 = 0;
+            }
+        }
+        seen = g;
+        /* the run's descriptor, consistent with g (seqlock) */
+        run_view v;
+        v.nodes = atomic_load_explicit(&P.nodes, memory_order_relaxed);
+        v.n_nodes = atomic_load_explicit(&P.n_nodes, memory_order_relaxed);
+        const int n_workers = atomic_load_explicit(&P.n_workers, memory_order_relaxed);
+        v.sync = atomic_load_explicit(&P.sync, memory_order_relaxed);
+        v.gen = g;
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&P.gen, memory_order_relaxed) != g) continue;
+        if (a.index >= n_workers) continue;
+        int unused = 0;
+        run_nodes(&v, 0, &unused, &dummy);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {   /* the child has no workers */
+    pthread_mutex_init(&P.run_lock, NULL);
+    P.n_created = 0;
+    atomic_store(&P.sleepers, 0);
+}
+
+static int pool_grow(int n_workers, uint32_t seen) {
+    static int atfork = 0;
+    if (!atfork) { pthread_atfork(NULL, NULL, pool_after_fork); atfork = 1; }
+    while (P.n_created < n_workers) {
+        worker_arg *a = malloc(sizeof *a);
+        if (a == NULL) break;
+        a->index = P.n_created;
+        a->seen = seen;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, (size_t)8 << 20);   /* kernels keep blocks on the stack */
+        pthread_t th;
+        const int rc = pthread_create(&th, &attr, worker_main, a);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) { free(a); break; }
+        P.n_created++;
+    }
+    return P.n_created;
+}
+
+static int run_serial(mg_node *nodes, int n_nodes, mg_error *err) {
     for (int i = 0; i < n_nodes; i++) {
         if (pre_node(&nodes[i], i, err)) return err->code;
         kernel_for(nodes[i].op)(&nodes[i], 0, 1);
     }
-#endif
-    return err->code;
+    return MG_OK;
+}
+
+int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
+    memset(err, 0, sizeof *err);
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads <= 1 || n_nodes <= 0) return run_serial(nodes, n_nodes, err);
+    /* a plan of one-chunk nodes only runs on the caller's thread: nothing to share */
+    int any = 0;
+    for (int i = 0; i < n_nodes && !any; i++) any = node_chunks(&nodes[i], n_threads) > 1;
+    if (!any || pthread_mutex_trylock(&P.run_lock) != 0) return run_serial(nodes, n_nodes, err);
+
+    if (P.serial_until != 0) {   /* a recent stall: one thread until the backoff has passed */
+        if (now_ns() < P.serial_until) {
+            st_serial_backoff++;
+            pthread_mutex_unlock(&P.run_lock);
+            return run_serial(nodes, n_nodes, err);
+        }
+        P.serial_until = 0;
+    }
+    const uint32_t g_old = atomic_load_explicit(&P.gen, memory_order_relaxed);
+    int n_workers = pool_grow(n_threads - 1, g_old);
+    if (n_workers > n_threads - 1) n_workers = n_threads - 1;
+    if (n_workers == 0) {
+        pthread_mutex_unlock(&P.run_lock);
+        return run_serial(nodes, n_nodes, err);
+    }
+    const uint32_t g = g_old + 2;
+    atomic_store(&P.gen, g_old + 1);   /* preparing: workers re-read after it turns even */
+    node_sync *sync = atomic_load_explicit(&P.sync, memory_order_relaxed);
+    if (n_nodes > P.sync_cap) {
+        /* the old array is kept (leaked): a late worker may still read it. Doubling bounds the
+         * total at twice the largest plan's. */
+        int cap = P.sync_cap ? P.sync_cap : 256;
+        while (cap < n_nodes) cap *= 2;
+        node_sync *ns = aligned_alloc(64, (size_t)cap * sizeof(node_sync));
+        if (ns == NULL) {
+            atomic_store(&P.gen, g_old + 2);
+            pthread_mutex_unlock(&P.run_lock);
+            return run_serial(nodes, n_nodes, err);
+        }
+        for (int i = 0; i < cap; i++) {
+            atomic_init(&ns[i].claim, 0);
+            atomic_init(&ns[i].done, 0);
+        }
+        sync = ns;
+        P.sync_cap = cap;
+    }
+    const uint64_t tag = (uint64_t)g << 32;
+    for (int i = 0; i < n_nodes; i++) {
+        const int n = node_chunks(&nodes[i], n_workers + 1);
+        const uint64_t open = check_for(nodes[i].op) != NULL || kernel_for(nodes[i].op) == NULL ? 0 : CL_OPEN;
+        atomic_store_explicit(&sync[i].done, tag, memory_order_relaxed);
+        atomic_store_explicit(&sync[i].claim, tag | open | ((uint64_t)n << 16), memory_order_relaxed);
+    }
+    atomic_store_explicit(&P.nodes, nodes, memory_order_relaxed);
+    atomic_store_explicit(&P.n_nodes, n_nodes, memory_order_relaxed);
+    atomic_store_explicit(&P.n_workers, n_workers, memory_order_relaxed);
+    atomic_store_explicit(&P.sync, sync, memory_order_relaxed);
+    atomic_store(&P.gen, g);           /* published (seq_cst: ordered before the sleepers check) */
+    if (atomic_load(&P.sleepers) > 0) futex(&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+
+    run_view v = { nodes, n_nodes, sync, g };
+    int stalled = 0;
+    const int rc = run_nodes(&v, 1, &stalled, err);
+    st_parallel++;
+    if (stalled) {
+        st_stalls++;
+        P.backoff = P.backoff ? (P.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : P.backoff * 2) : BACKOFF_MIN_NS;
+        P.serial_until = now_ns() + P.backoff;
+    } else {
+        P.backoff /= 2;   /* decays over runs that went well */
+    }
+    pthread_mutex_unlock(&P.run_lock);
+    return rc;
 }
 
 uint16_t mg_f32_to_f16(float x) { return mg_fp32_to_fp16(x); }

@@ -67,7 +67,8 @@ MG_KERNEL(L2_NORM, mg_k_l2_norm, NULL)
  *   dst          [ne0, ne1, ne2, ne3]
  * Per row (i1, i2, i3): w = x*scale (+ mask row (i1, i2 % mask.ne2, i3 % mask.ne3)), rounded
  * after each step; y = exp(w - max w) * (float)(1 / sum), the sum in double as ggml. w and the
- * exponentials are staged in the destination row, every access through the byte strides. */
+ * exponentials are staged in the destination row, every access through the byte strides; exp is
+ * the vectorised one of elementwise.c (mg_exp_row, or mg_exp per element: the same bits). */
 static void mg_k_soft_max(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *m = &n->src[1];
@@ -90,10 +91,17 @@ static void mg_k_soft_max(const mg_node *n, int ith, int nth) {
             mx = w > mx ? w : mx;
         }
         double sum = 0.0;
-        for (int64_t i = 0; i < ne0; i++) {
-            const float e = expf(mg_load_f32(y + i * d->nb[0]) - mx);
-            mg_store_f32(y + i * d->nb[0], e);
-            sum += (double)e;
+        if (d->nb[0] == 4) {   /* dense row: the vectorised exp (elementwise.c), then the sum in order */
+            float *yf = (float *)y;
+            for (int64_t i = 0; i < ne0; i++) yf[i] = yf[i] - mx;
+            mg_exp_row(yf, yf, ne0);
+            for (int64_t i = 0; i < ne0; i++) sum += (double)yf[i];
+        } else {
+            for (int64_t i = 0; i < ne0; i++) {
+                const float e = mg_exp(mg_load_f32(y + i * d->nb[0]) - mx);
+                mg_store_f32(y + i * d->nb[0], e);
+                sum += (double)e;
+            }
         }
         const float inv = (float)(1.0 / sum);
         for (int64_t i = 0; i < ne0; i++) mg_store_f32(y + i * d->nb[0], mg_load_f32(y + i * d->nb[0]) * inv);

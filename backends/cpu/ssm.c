@@ -290,7 +290,7 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
         }
     }
 #if defined(CONV_HAVE_VEC)
-    if (nts) _mm_sfence();   /* order the weakly-ordered stores before the node's barrier */
+    if (nts) _mm_sfence();   /* order the weakly-ordered stores before this chunk is reported done */
 #endif
 }
 

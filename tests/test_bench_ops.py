@@ -1,0 +1,48 @@
+"""bench/ops.py's report plumbing (no timing): --write replaces its own section of RESULTS.md and
+leaves the rest; the busy process of the contention rows is gone after its block."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(ROOT, "bench", "ops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_write_inserts_then_replaces_its_section(ops, tmp_path):
+    p = tmp_path / "RESULTS.md"
+    p.write_text("# Op benchmarks\nold prose\n\n# Model benchmarks\nmodels\n")
+    ops.write_results("first table", str(p))
+    ops.write_results("second table", str(p))
+    doc = p.read_text()
+    assert doc.count(ops.SECTION_BEGIN) == 1 and doc.count(ops.SECTION_END) == 1
+    assert "second table" in doc and "first table" not in doc
+    assert doc.index("old prose") < doc.index("second table") < doc.index("# Model benchmarks")
+    assert doc.endswith("models\n")
+
+
+def test_write_appends_when_there_is_no_model_section(ops, tmp_path):
+    p = tmp_path / "RESULTS.md"
+    p.write_text("# Something")
+    ops.write_results("t", str(p))
+    assert p.read_text().startswith("# Something\n") and ops.SECTION_END in p.read_text()
+
+
+def test_the_busy_process_stops_with_its_block(ops):
+    with ops.BusyProcess() as b:
+        assert b.p.poll() is None
+    assert b.p.poll() is not None
+
+
+def test_machine_line_names_cpu_cores_and_load(ops):
+    line = ops.machine_line()
+    assert line.startswith("Machine: ") and " cores, load average " in line

@@ -1,0 +1,231 @@
+"""The CPU executor's threads (backends/cpu/plan.c): results bit-identical whatever the thread
+count and the chunking (every op case, every node split into many chunks that threads claim
+dynamically), index checks that stop a split run before the node writes, the pool surviving
+errors, alternating thread counts and concurrent callers; set_n_threads' bad input."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph.testing.op_cases import CASES, run_built
+from minigraph.tensor import Context
+
+cpu = pytest.importorskip("minigraph.backends.cpu")
+if cpu.lib is None:  # pragma: no cover
+    pytest.skip(f"cpu extension not built: {cpu._IMPORT_ERROR}", allow_module_level=True)
+
+
+@pytest.fixture
+def split_everything():
+    """Every node split into 4 chunks per thread (the op table's shapes are below the default
+    threshold, where nodes run on one thread)."""
+    cpu.lib.mg_set_chunking(0, 0)
+    yield
+    cpu.lib.mg_set_chunking(-1, -1)
+
+
+def _bits(arrs):
+    return [np.ascontiguousarray(a).view(np.uint8).tobytes() for a in arrs]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_every_case_is_bit_identical_at_any_thread_count(case, split_everything):
+    want = _bits(run_built(case.make(np.random.default_rng(5)), cpu.CpuBackend(300).set_n_threads(1)))
+    for n in (2, 3, 5):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # 3 and 5 may exceed the cores
+            be = cpu.CpuBackend(300 + n).set_n_threads(n)
+        got = _bits(run_built(case.make(np.random.default_rng(5)), be))
+        assert got == want, f"{case.id}: {n} threads differ from 1"
+
+
+def _chain(ctx, n=4096):
+    """big elementwise nodes (split across threads) around a GET_ROWS with checked indices"""
+    a = ctx.new_tensor_2d(mg.f32, n, 8).set_name("a")
+    ids = ctx.new_tensor_1d(mg.i32, 4).set_name("ids")
+    h = mg.scale(mg.silu(a), 0.5)
+    rows = mg.get_rows(h, ids)
+    out = mg.add(mg.exp(rows), rows).set_name("out")
+    return a, ids, out
+
+
+@pytest.mark.parametrize("n_threads", [2, 4])
+def test_a_failed_index_check_stops_a_split_run_and_the_pool_keeps_working(n_threads, split_everything):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        be = cpu.CpuBackend(310 + n_threads).set_n_threads(n_threads)
+    ctx = Context()
+    a, ids, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    x = np.random.default_rng(0).standard_normal((8, 4096)).astype(np.float32)
+    a.set(x)
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    for bad in (8, -1, 100):
+        ids.set(np.array([0, bad, 2, 3], np.int32))
+        with pytest.raises(mg.OpError, match=rf"GET_ROWS .*index {bad} in 'ids' is out of range \[0, 8\)"):
+            be.graph_compute(gf)
+    ids.set(np.array([7, 0, 3, 3], np.int32))
+    be.graph_compute(gf)
+    want = run_built_like(x, [7, 0, 3, 3])
+    assert np.array_equal(out.numpy(), want)
+
+
+def run_built_like(x, ids):
+    be = cpu.CpuBackend(320).set_n_threads(1)
+    ctx = Context()
+    a, i, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(x)
+    i.set(np.array(ids, np.int32))
+    be.graph_compute(mg.Graph().build_forward_expand(out.set_output()))
+    return out.numpy()
+
+
+def test_alternating_thread_counts_and_graphs_stay_exact():
+    """Many short runs, thread counts switching between runs (workers late for one run must not
+    touch the next), two graphs of different sizes, default chunking (large nodes split)."""
+    x = np.random.default_rng(1).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [1, 2, 3, 4])
+    bes = [cpu.CpuBackend(330 + n).set_n_threads(n) for n in (1, 2)]
+    graphs = []
+    for be in bes:
+        ctx = Context()
+        a, ids, out = _chain(ctx)
+        mg.alloc_ctx_tensors(ctx, be)
+        a.set(x)
+        ids.set(np.array([1, 2, 3, 4], np.int32))
+        graphs.append((be, mg.Graph().build_forward_expand(out.set_output()), out))
+    for i in range(300):
+        be, gf, out = graphs[i % 3 % 2]
+        be.graph_compute(gf)
+        assert np.array_equal(out.numpy(), want), i
+
+
+def test_concurrent_callers_get_exact_results():
+    """Two Python threads computing at once (cffi releases the GIL): one holds the pool, the other
+    runs on its own thread; both exact."""
+    x = np.random.default_rng(2).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [5, 6, 7, 0])
+    errors = []
+
+    def worker(k):
+        try:
+            be = cpu.CpuBackend(340 + k).set_n_threads(2)
+            ctx = Context()
+            a, ids, out = _chain(ctx)
+            mg.alloc_ctx_tensors(ctx, be)
+            a.set(x)
+            ids.set(np.array([5, 6, 7, 0], np.int32))
+            gf = mg.Graph().build_forward_expand(out.set_output())
+            for _ in range(200):
+                be.graph_compute(gf)
+                if not np.array_equal(out.numpy(), want):
+                    errors.append(k)
+                    return
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+
+
+# -- set_n_threads -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, -1, -8, 2.5, "2", None, True])
+def test_set_n_threads_refuses_non_positive_and_non_integers_in_one_line(bad):
+    with pytest.raises(ValueError) as ei:
+        cpu.CpuBackend(350).set_n_threads(bad)
+    msg = str(ei.value)
+    assert "\n" not in msg and "n_threads" in msg
+
+
+def test_more_threads_than_cores_is_allowed_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cpu, "_oversubscribed_warned", False)
+    cores = cpu._cores()
+    be = cpu.CpuBackend(351)
+    with pytest.warns(RuntimeWarning, match=rf"n_threads {cores + 1} is more than the {cores} cores"):
+        be.set_n_threads(cores + 1)
+    assert be.n_threads == cores + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu.CpuBackend(352).set_n_threads(cores + 3)   # once per process
+        be.set_n_threads(cores)
+
+
+def test_default_is_every_core_this_process_may_use():
+    import os
+    assert cpu.CpuBackend.n_threads == len(os.sched_getaffinity(0))
+    assert cpu.CpuBackend(353).set_n_threads(np.int64(2)).n_threads == 2
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """the pool's threads do not survive fork(): the child must start new ones, not wait on ghosts"""
+    import os
+    x = np.random.default_rng(3).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [0, 1, 2, 3])
+    be = cpu.CpuBackend(360).set_n_threads(2)
+    ctx = Context()
+    a, ids, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(x)
+    ids.set(np.array([0, 1, 2, 3], np.int32))
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    be.graph_compute(gf)               # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            cpu.lib.mg_set_chunking(0, 0)
+            for _ in range(20):
+                be.graph_compute(gf)
+            code = 0 if np.array_equal(out.numpy(), want) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(split_everything):
+    """A worker that sleeps 20 ms in every chunk it claims: the caller detects the stall, finishes
+    the run alone, keeps the next runs on its own thread for a while (backoff), and every result is
+    exact. (Skipped when the worker never takes a chunk: on a loaded machine it may only ever be
+    placed on the caller's CPU, where it stands aside.)"""
+    x = np.random.default_rng(4).standard_normal((8, 4096)).astype(np.float32)
+    want = run_built_like(x, [3, 1, 4, 1])
+    be = cpu.CpuBackend(370).set_n_threads(2)
+    ctx = Context()
+    a, ids, out = _chain(ctx)
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(x)
+    ids.set(np.array([3, 1, 4, 1], np.int32))
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    be.graph_compute(gf)
+    st = cpu.ffi.new("int64_t[5]")
+    cpu.lib.mg_pool_stats(st)
+    before = list(st)
+    import time
+    cpu.lib.mg_debug_worker_delay(20_000_000)
+    try:
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end:
+            be.graph_compute(gf)
+            assert np.array_equal(out.numpy(), want)
+            cpu.lib.mg_pool_stats(st)
+            if st[2] > before[2] and st[1] > before[1]:
+                break
+    finally:
+        cpu.lib.mg_debug_worker_delay(0)
+    parallel, serial, stalls, _, worker_chunks = (y - x for x, y in zip(before, st))
+    if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
+        pytest.skip("the worker took no chunk in 3 s")
+    assert stalls >= 1 and serial >= 1, (parallel, serial, stalls)
+    be.graph_compute(gf)
+    assert np.array_equal(out.numpy(), want)
