@@ -18,6 +18,7 @@ from .ops.elementwise import __all__ as _elementwise_all
 from .ops.reduce import rms_norm, l2_norm, sum_rows, soft_max, soft_max_ext
 from .ops.matmul import mul_mat
 from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
+from .ops.rope import rope, rope_ext, rope_multi
 from .graph import Graph
 from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
 from .sched import Scheduler
@@ -43,6 +44,8 @@ __all__ = [
     # row ops, matmul, recurrent ops
     "rms_norm", "l2_norm", "sum_rows", "soft_max", "soft_max_ext", "mul_mat",
     "ssm_conv", "ssm_scan", "gated_delta_net",
+    # attention building blocks
+    "rope", "rope_ext", "rope_multi",
     # graphs, devices, scheduling
     "Graph", "Backend", "Buffer", "backend", "register_backend", "alloc_ctx_tensors", "Scheduler",
     "PlacementReport", "draw",

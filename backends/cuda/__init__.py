@@ -490,6 +490,24 @@ def _op_soft_max(be, node, ops):
                + mask + [d.p()] + d.strides() + [np.float32(node.params["scale"])])
 
 
+@runs("ROPE")
+def _op_rope(be, node, ops):
+    from minigraph.ops.rope import rope_constants   # the host-side f32 constants the CPU kernel derives
+    a, b, d, c = ops["a"], ops["b"], ops["dst"], ops.get("c")
+    p = node.params
+    n_dims = p["n_dims"]
+    n = a.ne[1] * a.ne[2] * a.ne[3] * (n_dims // 2 + a.ne[0] - n_dims)
+    if n == 0:
+        return
+    k = rope_constants(p)
+    ints = [np.int64(v) for v in (n, a.ne[0], a.ne[1], a.ne[2], n_dims, p["mode"],
+                                  p["sec_t"], p["sec_h"], p["sec_w"], p["sec_e"])]
+    ff = [c.p(), np.int64(1)] if c is not None else [b.p(), np.int64(0)]   # absent: any valid pointer
+    be._launch("rope_f32", (_cdiv(n, 256), 1, 1), (256, 1, 1),
+               ints + [a.p()] + a.strides() + [b.p()] + ff + [d.p()] + d.strides()
+               + [np.float32(k[name]) for name in ("theta_scale", "freq_scale", "ext_factor", "mscale", "lo", "hi")])
+
+
 @runs("MUL_MAT")
 def _op_mul_mat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]

@@ -563,6 +563,20 @@ def _r_soft_max(t, srcs, ss, n_dev, assume_sync):
     return st, rule
 
 
+def _r_rope(t, srcs, ss, n_dev, assume_sync):
+    # per-row on a split along heads (axis 1) or dim 3: each row reads its token's position b[i2]
+    # and the frequency factors whole, so both must be MIRRORED, and a split along the tokens
+    # (axis 2) is refused (device-local token indices would read the first tokens' positions)
+    rule = "rope: per-row on a split on heads or dim 3; positions and frequency factors MIRRORED"
+    st = _per_row(t, srcs, ss, rule)
+    if st.is_split and st.axis == AXIS_2:
+        raise _Fail(rule, f"{srcs[0].label} is split along the tokens ({st}); positions are indexed by token")
+    for s, ps in zip(srcs[1:], ss[1:]):
+        if s is not None and ps.axis != MIRRORED:
+            raise _Fail(rule, f"{s.label} must be MIRRORED, got {ps}")
+    return st, rule
+
+
 def _r_bin_bcast(t, srcs, ss, n_dev, assume_sync):
     rule = "binary broadcast"
     return _bin_bcast(t, srcs, ss, rule), rule
@@ -615,7 +629,7 @@ def _r_mirrored(t, srcs, ss, n_dev, assume_sync):
 
 SPLIT_RULES = {
     "generic": _r_generic, "generic_scalar": _r_generic_scalar, "per_row": _r_per_row,
-    "soft_max": _r_soft_max, "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
+    "soft_max": _r_soft_max, "rope": _r_rope, "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
     "cpy": _r_cpy, "view": _r_view, "permute": _r_permute, "mirrored": _r_mirrored,
     "get_rows": _simple("get_rows", _get_rows), "set_rows": _simple("set_rows", _set_rows),
     "ssm_conv": _simple("ssm_conv", _ssm_conv), "gated_delta_net": _simple("gated_delta_net", _gated_delta_net),

@@ -533,6 +533,64 @@ def _(rng):
     return _gdn_built(rng, 3, True)
 
 
+# ---------------------------------------------------------------------------------------------
+# rope
+
+
+def _rope_input(b, rng, ne, layout):
+    """a for ROPE in the layouts llama.cpp feeds it: contig; strided (a view with padded rows and
+    planes, as a slice of a fused QKV projection); permuted (heads and tokens swapped in memory,
+    dim 0 kept dense, as rope after a permute)."""
+    if layout == "permuted":
+        base = b.leaf(f32, (ne[0], ne[2], ne[1], ne[3]), rng=rng)
+        return mg.permute(base, 0, 2, 1, 3)
+    return b.input(rng, f32, ne, layout)
+
+
+def _rope_built(rng, mode, layout, yarn=False, freq_factors=False):
+    from minigraph.ops.rope import MULTI_MODES
+    b = Built(Context())
+    half = int(rng.integers(1, 9))
+    n0 = 2 * half + int(rng.integers(0, 2)) * 2 * int(rng.integers(0, 3))   # sometimes dims past n_dims
+    ne = (n0, int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 3)))
+    n_dims = 2 * int(rng.integers(1, half + 1))
+    a = _rope_input(b, rng, ne, layout)
+    multi = mode in MULTI_MODES
+    pos = b.leaf(i32, ((4 if multi else 1) * ne[2],), data=rng.integers(0, 3000, (4 if multi else 1) * ne[2]))
+    c = None
+    if freq_factors:
+        n_ff = n_dims // 2 + int(rng.integers(0, 3))
+        c = b.leaf(f32, (n_ff,), data=rng.uniform(0.5, 4.0, n_ff))
+    fl = dict(n_ctx_orig=int(rng.integers(512, 8192)), freq_base=float(rng.choice([10000.0, 500000.0, 1e6])),
+              freq_scale=float(rng.uniform(0.1, 1.0)) if yarn else 1.0, ext_factor=float(rng.uniform(0.5, 1.0)) if yarn else 0.0,
+              attn_factor=float(rng.uniform(0.5, 1.5)), beta_fast=32.0, beta_slow=1.0)
+    if multi:
+        pairs = n_dims // 2
+        cut = sorted(int(x) for x in rng.integers(0, pairs + 1, 2))
+        sections = [max(cut[0], 1), cut[1] - cut[0], pairs - cut[1], int(rng.integers(0, 2))]
+        b.out(mg.rope_multi(a, pos, c, n_dims, sections, mode, **fl))
+    else:
+        b.out(mg.rope_ext(a, pos, c, n_dims, mode, **fl))
+    return b
+
+
+for _mode, _mname in ((0, "normal"), (2, "neox")):
+    for _layout in ("contig", "strided", "permuted"):
+        @case("ROPE", f"{_mname}_{_layout}", nmse=1e-10)
+        def _(rng, _mode=_mode, _layout=_layout):
+            return _rope_built(rng, _mode, _layout)
+
+    @case("ROPE", f"{_mname}_yarn_freq_factors", nmse=1e-10)
+    def _(rng, _mode=_mode):
+        return _rope_built(rng, _mode, "strided", yarn=True, freq_factors=True)
+
+for _mode, _mname in ((8, "mrope"), (40, "imrope")):
+    for _layout in ("contig", "permuted"):
+        @case("ROPE", f"{_mname}_{_layout}", nmse=1e-10)
+        def _(rng, _mode=_mode, _layout=_layout):
+            return _rope_built(rng, _mode, _layout)
+
+
 def cases_for(op: str) -> list[Case]:
     return [c for c in CASES if c.op == op]
 
