@@ -7,7 +7,9 @@
  * ip = {n_dims, mode, n_ctx_orig, sec_t, sec_h, sec_w, sec_e}
  * Each row recomputes its angles from its own position (no cache shared between rows), so a
  * row's result does not depend on which other rows or tokens are in the batch. Angles follow
- * ggml's f32 steps: theta_k = p * theta_scale^k by repeated multiplication, YaRN ramp and mscale. */
+ * ggml's f32 steps: theta_k = p * theta_scale^k by repeated multiplication, YaRN ramp and mscale.
+ * ggml's CPU library is built with FMA contraction: a*b + c*d rounds as fmaf(a, b, c*d) there.
+ * The same fmaf calls here (and cosf/sinf, the same libm) make the result bit-identical to it. */
 #include "mg.h"
 
 enum { ROPE_NORMAL = 0, ROPE_NEOX = 2, ROPE_MROPE = 8, ROPE_IMROPE = 40 };
@@ -49,7 +51,7 @@ static void mg_k_rope(const mg_node *n, int ith, int nth) {
     const float low = rope_max(0, floorf(yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base)));
     const float high = rope_min(n_dims - 1, ceilf(yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base)));
     float mscale = attn_factor;
-    if (ext_factor != 0.0f) mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+    if (ext_factor != 0.0f) mscale *= fmaf(0.1f, logf(1.0f / freq_scale), 1.0f);
 
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
@@ -67,14 +69,14 @@ static void mg_k_rope(const mg_node *n, int ith, int nth) {
             if (ext_factor != 0.0f) {
                 const float ry = (k - low) / rope_max(0.001f, high - low);
                 const float mix = (1 - rope_min(1, rope_max(0, ry))) * ext_factor;
-                th = interp * (1 - mix) + extrap * mix;
+                th = fmaf(interp, 1 - mix, extrap * mix);
             }
             const float cs = cosf(th) * mscale, sn = sinf(th) * mscale;
             /* NORMAL rotates the adjacent pair (2k, 2k+1), the others (k, k + n_dims/2) */
             const int64_t j0 = mode == ROPE_NORMAL ? 2 * k : k, j1 = mode == ROPE_NORMAL ? 2 * k + 1 : k + half;
             const float x0 = mg_load_f32(x + j0 * a->nb[0]), x1 = mg_load_f32(x + j1 * a->nb[0]);
-            mg_store_f32(y + j0 * d->nb[0], x0 * cs - x1 * sn);
-            mg_store_f32(y + j1 * d->nb[0], x0 * sn + x1 * cs);
+            mg_store_f32(y + j0 * d->nb[0], fmaf(x0, cs, -(x1 * sn)));
+            mg_store_f32(y + j1 * d->nb[0], fmaf(x0, sn, x1 * cs));
             for (int s = 0; s < 4; s++) theta[s] *= theta_scale;
         }
         for (int64_t i = n_dims; i < ne0; i++) mg_store_f32(y + i * d->nb[0], mg_load_f32(x + i * a->nb[0]));

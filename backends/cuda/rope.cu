@@ -47,12 +47,12 @@ extern "C" __global__ void rope_f32(i64 n, i64 ne0, i64 ne1, i64 ne2, i64 n_dims
         if (ext_factor != 0.0f) {
             const float ry = ((float)j - lo) / c_max(0.001f, hi - lo);
             const float mix = __fmul_rn(1.0f - c_min(1.0f, c_max(0.0f, ry)), ext_factor);
-            th = __fadd_rn(__fmul_rn(interp, 1.0f - mix), __fmul_rn(extrap, mix));
+            th = fmaf(interp, 1.0f - mix, __fmul_rn(extrap, mix));   // ggml's contraction, as the CPU kernel
         }
         const float cs = __fmul_rn(cosf(th), mscale), sn = __fmul_rn(sinf(th), mscale);
         const i64 j0 = mode == 0 ? 2 * j : j, j1 = mode == 0 ? 2 * j + 1 : j + half;
         const float x0 = ld<float>(x + j0 * a_nb0), x1 = ld<float>(x + j1 * a_nb0);
-        st<float>(y + j0 * d_nb0, __fadd_rn(__fmul_rn(x0, cs), -__fmul_rn(x1, sn)));
-        st<float>(y + j1 * d_nb0, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs)));
+        st<float>(y + j0 * d_nb0, fmaf(x0, cs, -__fmul_rn(x1, sn)));
+        st<float>(y + j1 * d_nb0, fmaf(x0, sn, __fmul_rn(x1, cs)));
     }
 }

@@ -5,7 +5,9 @@ The angle of rotation pair k (k < n_dims/2) at position p is built the way ggml'
 in f32: theta_k = p * theta_scale^k with theta_scale = freq_base^(-2/n_dims), the power taken
 by repeated multiplication (theta *= theta_scale, one rounding per pair); divided by the pair's
 frequency factor; then YaRN mixes the interpolated angle (freq_scale * theta) with the
-extrapolated one through a ramp over the correction dims and scales cos/sin by mscale."""
+extrapolated one through a ramp over the correction dims and scales cos/sin by mscale. Each
+a*b + c*d is rounded as fmaf(a, b, c*d), as ggml's CPU library (built with FMA contraction)
+computes it: the cpu kernel is bit-identical to ggml."""
 from __future__ import annotations
 
 import math
@@ -22,6 +24,12 @@ MULTI_MODES = (ROPE_MROPE, ROPE_IMROPE)
 SECTIONS = ("sec_t", "sec_h", "sec_w", "sec_e")   # ggml_rope_multi's sections[4], in order
 
 _F = np.float32
+
+
+def _fma(a, b, c):
+    """f32 a*b + c rounded once, as the fmaf that ggml's contracted build uses (through float64:
+    the product is exact there; the sum may round twice, off by one ulp in rare ties)."""
+    return (np.float64(1) * a * b + c).astype(_F)
 
 
 def _c_max(x, y):   # C's MAX/MIN macros, as ggml uses them: a NaN operand is not dropped
@@ -110,7 +118,7 @@ def rope_constants(p: dict) -> dict:
     freq_scale, ext = _F(p["freq_scale"]), _F(p["ext_factor"])
     mscale = _F(p["attn_factor"])
     if ext != 0:
-        mscale = mscale * (_F(1) + _F(0.1) * np.log(_F(1) / freq_scale))
+        mscale = mscale * _fma(_F(0.1), np.log(_F(1) / freq_scale), _F(1))
     return dict(theta_scale=theta_scale, lo=lo, hi=hi, freq_scale=freq_scale, ext_factor=ext, mscale=mscale)
 
 
@@ -143,7 +151,7 @@ def rope_angles(p: dict, pos: np.ndarray, n_pairs: int, ff: np.ndarray | None) -
         if ext != 0:
             y = (_F(k) - low) / _c_max(_F(0.001), high - low)
             ramp = (_F(1) - _c_min(_F(1), _c_max(_F(0), y))) * ext
-            th = interp * (_F(1) - ramp) + extrap * ramp
+            th = _fma(interp, _F(1) - ramp, extrap * ramp)
         cos[:, k] = np.cos(th.astype(np.float64)).astype(_F) * mscale
         sin[:, k] = np.sin(th.astype(np.float64)).astype(_F) * mscale
         theta = (theta * theta_scale).astype(_F)
@@ -165,8 +173,8 @@ def _rope_ref(node, a, b, c=None):
     else:                                           # NEOX and multi: pairs (k, k + n_dims/2)
         i0, i1 = np.arange(half), np.arange(half, n_dims)
     x0, x1 = a[..., i0], a[..., i1]
-    out[..., i0] = x0 * cos - x1 * sin
-    out[..., i1] = x0 * sin + x1 * cos
+    out[..., i0] = _fma(x0, cos, -(x1 * sin))
+    out[..., i1] = _fma(x0, sin, x1 * cos)
     return out
 
 
