@@ -576,7 +576,8 @@ for _name in UNARY:
 for _name in BINARY:
     if f"{_name.lower()}_f32" in _FILE_OF:
         KERNELS[_name] = _binary(f"{_name.lower()}_f32")
-for _name, _kernel in {"RMS_NORM": "rms_norm_f32", "L2_NORM": "l2_norm_f32", "SUM_ROWS": "sum_rows_f32"}.items():
+for _name, _kernel in {"NORM": "norm_f32", "RMS_NORM": "rms_norm_f32", "L2_NORM": "l2_norm_f32",
+                      "SUM_ROWS": "sum_rows_f32"}.items():
     KERNELS[_name] = _reduce(_kernel)
 
 
