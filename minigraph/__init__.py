@@ -19,6 +19,7 @@ from .ops.reduce import norm, rms_norm, l2_norm, sum_rows, soft_max, soft_max_ex
 from .ops.matmul import mul_mat
 from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
 from .ops.rope import rope, rope_ext, rope_multi
+from .ops.attention import flash_attn_ext
 from .graph import Graph
 from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
 from .sched import Scheduler
@@ -45,7 +46,7 @@ __all__ = [
     "norm", "rms_norm", "l2_norm", "sum_rows", "soft_max", "soft_max_ext", "mul_mat",
     "ssm_conv", "ssm_scan", "gated_delta_net",
     # attention building blocks
-    "rope", "rope_ext", "rope_multi",
+    "rope", "rope_ext", "rope_multi", "flash_attn_ext",
     # graphs, devices, scheduling
     "Graph", "Backend", "Buffer", "backend", "register_backend", "alloc_ctx_tensors", "Scheduler",
     "PlacementReport", "draw",
