@@ -567,7 +567,8 @@ def _rope_built(rng, mode, layout, yarn=False, freq_factors=False):
     if multi:
         pairs = n_dims // 2
         cut = sorted(int(x) for x in rng.integers(0, pairs + 1, 2))
-        sections = [max(cut[0], 1), cut[1] - cut[0], pairs - cut[1], int(rng.integers(0, 2))]
+        sections = [max(cut[0], 1), cut[1] - cut[0], pairs - cut[1]]
+        sections.append(int(rng.integers(0, 2)) if sum(sections) < n0 else 0)   # ggml: sum <= ne0
         b.out(mg.rope_multi(a, pos, c, n_dims, sections, mode, **fl))
     else:
         b.out(mg.rope_ext(a, pos, c, n_dims, mode, **fl))
