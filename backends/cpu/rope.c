@@ -9,7 +9,10 @@
  * row's result does not depend on which other rows or tokens are in the batch. Angles follow
  * ggml's f32 steps: theta_k = p * theta_scale^k by repeated multiplication, YaRN ramp and mscale.
  * ggml's CPU library is built with FMA contraction: a*b + c*d rounds as fmaf(a, b, c*d) there.
- * The same fmaf calls here (and cosf/sinf, the same libm) make the result bit-identical to it. */
+ * The same fmaf calls here (and cosf/sinf, the same libm) make NEOX, MROPE and IMROPE bit-identical
+ * to libggml 0.20.2. In NORMAL mode its vectorised loop fuses pairs two at a time and rounds an
+ * odd last pair without FMA (an artefact of that build, not a rule): that pair differs by an ulp
+ * or so; minigraph fuses every pair. */
 #include "mg.h"
 
 enum { ROPE_NORMAL = 0, ROPE_NEOX = 2, ROPE_MROPE = 8, ROPE_IMROPE = 40 };

@@ -7,7 +7,8 @@ by repeated multiplication (theta *= theta_scale, one rounding per pair); divide
 frequency factor; then YaRN mixes the interpolated angle (freq_scale * theta) with the
 extrapolated one through a ramp over the correction dims and scales cos/sin by mscale. Each
 a*b + c*d is rounded as fmaf(a, b, c*d), as ggml's CPU library (built with FMA contraction)
-computes it: the cpu kernel is bit-identical to ggml."""
+computes it: NEOX, MROPE and IMROPE are bit-identical to ggml on the cpu backend; NORMAL differs
+by an ulp or so on an odd last rotation pair, which ggml's vectorised build leaves unfused."""
 from __future__ import annotations
 
 import math
