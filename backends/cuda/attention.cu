@@ -6,14 +6,18 @@
 // d = tid, tid + FA_THREADS, ... (at most FA_MAX_DV dims: the backend refuses more).
 #include "common.cuh"
 
+// NVRTC has no headers, so no INFINITY: a skipped key is flagged, and the running max starts at
+// -FLT_MAX (a row whose keys are all skipped has den == 0 and is written as 0 whatever the max)
+#define FA_LOWEST (-3.402823466e38f)
 #define FA_THREADS 128
 #define FA_PER_THREAD 8   // FA_MAX_DV = FA_THREADS * FA_PER_THREAD = 1024
 
 __device__ __forceinline__ float fa_score(const char *qr, const char *kr, i64 dk, const char *mr, i64 j,
-                                          float scale, float cap, float slope, int has_mask) {
+                                          float scale, float cap, float slope, int has_mask, bool &skip) {
     float mv = 0.0f;
     if (has_mask) mv = __fmul_rn(slope, h2f(ld<h16>(mr + j * 2)));   // uniform over the block
-    if (mv == -INFINITY) return -INFINITY;
+    skip = mv < FA_LOWEST;                                            // slope*mask == -inf
+    if (skip) return 0.0f;
     double p = 0.0;
     for (i64 d = threadIdx.x; d < dk; d += blockDim.x)
         p += (double)ld<float>(qr + d * 4) * (double)ld<float>(kr + d * 4);
@@ -40,17 +44,18 @@ extern "C" __global__ void flash_attn_ext_f32(i64 nrows, i64 n_q, i64 n_head, i6
             const float m0 = powf(2.0f, -(max_bias) / n_log2), m1 = powf(2.0f, -(max_bias / 2.0f) / n_log2);
             slope = h < n_log2 ? powf(m0, (float)(h + 1)) : powf(m1, (float)(2 * (h - n_log2) + 1));
         }
-        float mx = -INFINITY;
+        float mx = FA_LOWEST;
+        bool skip;
         for (i64 j = 0; j < n_kv; j++) {
-            const float sc = fa_score(qr, kh + j * k_nb1, dk, mr, j, scale, cap, slope, (int)has_mask);
-            mx = sc > mx ? sc : mx;
+            const float sc = fa_score(qr, kh + j * k_nb1, dk, mr, j, scale, cap, slope, (int)has_mask, skip);
+            if (!skip && sc > mx) mx = sc;
         }
         double acc[FA_PER_THREAD];
         for (int i = 0; i < FA_PER_THREAD; i++) acc[i] = 0.0;
         double den = 0.0;
         for (i64 j = 0; j < n_kv; j++) {
-            const float sc = fa_score(qr, kh + j * k_nb1, dk, mr, j, scale, cap, slope, (int)has_mask);
-            if (sc == -INFINITY) continue;
+            const float sc = fa_score(qr, kh + j * k_nb1, dk, mr, j, scale, cap, slope, (int)has_mask, skip);
+            if (skip) continue;
             const double w = exp((double)sc - (double)mx);
             den += w;
             const char *vr = vh + j * v_nb1;
