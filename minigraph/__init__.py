@@ -15,9 +15,11 @@ from .ops.copy import cpy, cast, cont, cont_2d, cont_3d, cont_4d, concat, repeat
 from .ops.index import get_rows, set_rows, arange
 from .ops.elementwise import *  # noqa: F401,F403  (every unary op's function, add .. scale_bias)
 from .ops.elementwise import __all__ as _elementwise_all
-from .ops.reduce import rms_norm, l2_norm, sum_rows, soft_max, soft_max_ext
+from .ops.reduce import norm, rms_norm, l2_norm, sum_rows, soft_max, soft_max_ext
 from .ops.matmul import mul_mat
 from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
+from .ops.rope import rope, rope_ext, rope_multi
+from .ops.attention import flash_attn_ext
 from .graph import Graph
 from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
 from .sched import Scheduler
@@ -41,8 +43,10 @@ __all__ = [
     # elementwise (binary, scale and every unary op)
     *_elementwise_all,
     # row ops, matmul, recurrent ops
-    "rms_norm", "l2_norm", "sum_rows", "soft_max", "soft_max_ext", "mul_mat",
+    "norm", "rms_norm", "l2_norm", "sum_rows", "soft_max", "soft_max_ext", "mul_mat",
     "ssm_conv", "ssm_scan", "gated_delta_net",
+    # attention building blocks
+    "rope", "rope_ext", "rope_multi", "flash_attn_ext",
     # graphs, devices, scheduling
     "Graph", "Backend", "Buffer", "backend", "register_backend", "alloc_ctx_tensors", "Scheduler",
     "PlacementReport", "draw",

@@ -35,7 +35,7 @@ REBUILD_HINT = ("the CPU backend's C extension minigraph.backends.cpu._kernels i
 UNSUPPORTED: dict[str, str] = {}
 
 _TYPE_CODES = {f32: 0, f16: 1, i32: 2, i64: 3}
-_SLOTS = 4   # mg_node's fp[] and ip[] (mg_api.h)
+_SLOTS = 8   # mg_node's fp[] and ip[] (mg_api.h)
 
 
 def _registered_kernels() -> dict:

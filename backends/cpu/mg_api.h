@@ -21,8 +21,8 @@ typedef struct mg_node {
     int32_t   n_src;
     mg_tensor dst;
     mg_tensor src[7];           /* MG_MAX_SRC; in the registry's source order */
-    float     fp[4];            /* the op's float params, in the registry's declaration order */
-    int64_t   ip[4];            /* the op's int and bool params, in declaration order */
+    float     fp[8];            /* the op's float params, in the registry's declaration order */
+    int64_t   ip[8];            /* the op's int and bool params, in declaration order */
     int64_t   cost;             /* the executor's work estimate, filled on the first run (0: not yet) */
 } mg_node;
 

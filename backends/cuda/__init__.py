@@ -198,6 +198,7 @@ CU_KERNELS = _kernels_in_sources()
 _FILE_OF = {k: f for f, ks in CU_KERNELS.items() for k in ks}
 
 MAX_STATE_DIM = 1024   # SSM_SCAN d_state and GATED_DELTA_NET S_v: 32 lanes x 32 registers
+FA_MAX_DV = 1024       # FLASH_ATTN_EXT D_v: FA_THREADS x FA_PER_THREAD accumulators (attention.cu)
 
 
 def _rows_per_lane(n: int) -> int:
@@ -293,6 +294,8 @@ class CudaBackend(Backend):
             return node.srcs["s"].ne[0] <= MAX_STATE_DIM
         if node.op == "GATED_DELTA_NET":
             return node.srcs["v"].ne[0] <= MAX_STATE_DIM
+        if node.op == "FLASH_ATTN_EXT":
+            return node.srcs["v"].ne[0] <= FA_MAX_DV
         return True
 
     def compute_nodes(self, nodes, cache=None):
@@ -490,6 +493,43 @@ def _op_soft_max(be, node, ops):
                + mask + [d.p()] + d.strides() + [np.float32(node.params["scale"])])
 
 
+@runs("ROPE")
+def _op_rope(be, node, ops):
+    from minigraph.ops.rope import rope_constants   # the host-side f32 constants the CPU kernel derives
+    a, b, d, c = ops["a"], ops["b"], ops["dst"], ops.get("c")
+    p = node.params
+    n_dims = p["n_dims"]
+    n = a.ne[1] * a.ne[2] * a.ne[3] * (n_dims // 2 + a.ne[0] - n_dims)
+    if n == 0:
+        return
+    k = rope_constants(p)
+    ints = [np.int64(v) for v in (n, a.ne[0], a.ne[1], a.ne[2], n_dims, p["mode"],
+                                  p["sec_t"], p["sec_h"], p["sec_w"], p["sec_e"])]
+    ff = [c.p(), np.int64(1)] if c is not None else [b.p(), np.int64(0)]   # absent: any valid pointer
+    be._launch("rope_f32", (_cdiv(n, 256), 1, 1), (256, 1, 1),
+               ints + [a.p()] + a.strides() + [b.p()] + ff + [d.p()] + d.strides()
+               + [np.float32(k[name]) for name in ("theta_scale", "freq_scale", "ext_factor", "mscale", "lo", "hi")])
+
+
+@runs("FLASH_ATTN_EXT")
+def _op_flash_attn_ext(be, node, ops):
+    q, k, v, d, m = ops["q"], ops["k"], ops["v"], ops["dst"], ops.get("mask")
+    p = node.params
+    nrows = q.ne[1] * q.ne[2] * q.ne[3]
+    if nrows == 0 or v.ne[0] == 0:
+        return
+    if m is None:   # the kernel reads no mask: any valid pointer, unit broadcast extents
+        mask = [np.int64(0), np.int64(1), np.int64(1), q.p()] + [np.int64(0)] * 4
+    else:
+        mask = [np.int64(1), np.int64(m.ne[2]), np.int64(m.ne[3]), m.p()] + m.strides()
+    be._launch("flash_attn_ext_f32", (nrows, 1, 1), (128, 1, 1),
+               [np.int64(x) for x in (nrows, q.ne[1], q.ne[2], q.ne[0], v.ne[0], k.ne[1])]
+               + [q.p()] + q.strides() + [k.p(), np.int64(k.ne[2])] + k.strides()
+               + [v.p(), np.int64(v.ne[2])] + v.strides() + mask + [d.p()] + d.strides()
+               + [np.float32(p["scale"]) / np.float32(p["logit_softcap"]) if p["logit_softcap"] else np.float32(p["scale"]),
+                  np.float32(p["max_bias"]), np.float32(p["logit_softcap"])])
+
+
 @runs("MUL_MAT")
 def _op_mul_mat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
@@ -558,7 +598,8 @@ for _name in UNARY:
 for _name in BINARY:
     if f"{_name.lower()}_f32" in _FILE_OF:
         KERNELS[_name] = _binary(f"{_name.lower()}_f32")
-for _name, _kernel in {"RMS_NORM": "rms_norm_f32", "L2_NORM": "l2_norm_f32", "SUM_ROWS": "sum_rows_f32"}.items():
+for _name, _kernel in {"NORM": "norm_f32", "RMS_NORM": "rms_norm_f32", "L2_NORM": "l2_norm_f32",
+                      "SUM_ROWS": "sum_rows_f32"}.items():
     KERNELS[_name] = _reduce(_kernel)
 
 

@@ -9,6 +9,15 @@ struct OpSigmoid  { typedef float T; static __device__ __forceinline__ float f(f
 struct OpSoftplus { typedef float T; static __device__ __forceinline__ float f(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); } };
 struct OpExp      { typedef float T; static __device__ __forceinline__ float f(float x) { return expf(x); } };
 struct OpSqrt     { typedef float T; static __device__ __forceinline__ float f(float x) { return sqrtf(x); } };
+// ggml's CPU GELU (its f16 table of the tanh approximation), as backends/cpu/activation.c
+struct OpGelu     { typedef float T; static __device__ __forceinline__ float f(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float h = h2f(f2h(x));
+    const float inner = fmaf(__fmul_rn(0.044715f, h), h, 1.0f);
+    const float t = (float)tanh((double)__fmul_rn(__fmul_rn(0.7978845608028654f, h), inner));
+    return h2f(f2h(__fmul_rn(__fmul_rn(0.5f, h), 1.0f + t)));
+} };
 struct OpNeg      { typedef u32 T;   static __device__ __forceinline__ u32 f(u32 x) { return x ^ 0x80000000u; } };  // exact, any input
 
 template <typename OP>
@@ -30,6 +39,7 @@ extern "C" __global__ void softplus_f32(UNARY_PARAMS) { unary_body<OpSoftplus>(U
 extern "C" __global__ void exp_f32(UNARY_PARAMS) { unary_body<OpExp>(UNARY_ARGS); }
 extern "C" __global__ void sqrt_f32(UNARY_PARAMS) { unary_body<OpSqrt>(UNARY_ARGS); }
 extern "C" __global__ void neg_f32(UNARY_PARAMS) { unary_body<OpNeg>(UNARY_ARGS); }
+extern "C" __global__ void gelu_f32(UNARY_PARAMS) { unary_body<OpGelu>(UNARY_ARGS); }
 
 struct OpAdd { static __device__ __forceinline__ float f(float x, float y) { return x + y; } };
 struct OpSub { static __device__ __forceinline__ float f(float x, float y) { return x - y; } };

@@ -1,4 +1,4 @@
-// Row ops over dim 0 (RMS_NORM, L2_NORM, SUM_ROWS, SOFT_MAX): one block of 256 threads per row,
+// Row ops over dim 0 (NORM, RMS_NORM, L2_NORM, SUM_ROWS, SOFT_MAX): one block of 256 threads per row,
 // sums in double as ggml's CPU backend and the NumPy reference do.
 #include "common.cuh"
 
@@ -88,5 +88,29 @@ extern "C" __global__ void soft_max_f32(i64 nrows, i64 ne0, i64 ne1, i64 ne2, co
         const float inv = (float)(1.0 / s);
         for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x)
             st<float>(dr + i0 * d_nb0, __fmul_rn(ld<float>(dr + i0 * d_nb0), inv));
+    }
+}
+
+// NORM (ggml_norm): one block per row. mean = (float)(sum x) / ne0 in f32; v = x - mean, staged in dst
+// (each thread reads back only its own elements); var = (float)(sum v*v / ne0) with v*v rounded
+// to f32 first; y = v * (1 / sqrtf(var + eps)). Sums in double, as the CPU kernel.
+extern "C" __global__ void norm_f32(REDUCE_PARAMS) {
+    for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {       // uniform over the block
+        const i64 i1 = r % ne1, q = r / ne1, i2 = q % ne2, i3 = q / ne2;
+        const char *ar = a + i1 * a_nb1 + i2 * a_nb2 + i3 * a_nb3;
+        char *dr = dst + i1 * d_nb1 + i2 * d_nb2 + i3 * d_nb3;
+        double s = 0.0;
+        for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) s += (double)ld<float>(ar + i0 * a_nb0);
+        const float mean = (float)block_sum(s) / (float)ne0;
+        double s2 = 0.0;
+        for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x) {
+            const float v = ld<float>(ar + i0 * a_nb0) - mean;
+            st<float>(dr + i0 * d_nb0, v);
+            s2 += (double)__fmul_rn(v, v);
+        }
+        const float var = (float)(block_sum(s2) / (double)ne0);
+        const float scale = 1.0f / sqrtf(var + eps);
+        for (i64 i0 = threadIdx.x; i0 < ne0; i0 += blockDim.x)
+            st<float>(dr + i0 * d_nb0, __fmul_rn(ld<float>(dr + i0 * d_nb0), scale));
     }
 }

@@ -563,6 +563,43 @@ def _r_soft_max(t, srcs, ss, n_dev, assume_sync):
     return st, rule
 
 
+def _r_rope(t, srcs, ss, n_dev, assume_sync):
+    # per-row on a split along heads (axis 1) or dim 3: each row reads its token's position b[i2]
+    # and the frequency factors whole, so both must be MIRRORED, and a split along the tokens
+    # (axis 2) is refused (device-local token indices would read the first tokens' positions)
+    rule = "rope: per-row on a split on heads or dim 3; positions and frequency factors MIRRORED"
+    st = _per_row(t, srcs, ss, rule)
+    if st.is_split and st.axis == AXIS_2:
+        raise _Fail(rule, f"{srcs[0].label} is split along the tokens ({st}); positions are indexed by token")
+    for s, ps in zip(srcs[1:], ss[1:]):
+        if s is not None and ps.axis != MIRRORED:
+            raise _Fail(rule, f"{s.label} must be MIRRORED, got {ps}")
+    return st, rule
+
+
+def _r_flash_attn_ext(t, srcs, ss, n_dev, assume_sync):
+    # heads are independent: q split along its heads (axis 2), with k and v split along their
+    # heads so that each device keeps whole groups (device j's q heads / group size == its KV
+    # heads), gives a result split along its heads (axis 1 of [D_v, n_head, n_q, n_seq]). A mask
+    # with one head plane is MIRRORED; one per head must be split like q. All MIRRORED stays so.
+    rule = "flash_attn_ext: split along heads (q, k, v axis 2 -> result axis 1), or all MIRRORED"
+    q, k, v, mask = (list(srcs) + [None] * 4)[:4]
+    qs, ks, vs = ss[0], ss[1], ss[2]
+    ms = ss[3] if len(ss) > 3 and mask is not None else SplitState.mirrored()
+    if all(x.axis == MIRRORED for x in (qs, ks, vs, ms)):
+        return SplitState.mirrored(), rule
+    if qs.axis != AXIS_2 or qs.n_segments != 1:
+        raise _Fail(rule, f"q {q.label} must be split along its heads (AXIS_2), got {qs}")
+    for src, st in ((k, ks), (v, vs)):
+        group = q.ne[2] // src.ne[2]
+        if st.axis != AXIS_2 or tuple(x * group for x in st.shares()) != qs.shares():
+            raise _Fail(rule, f"{src.label} ({st}) must be split along its heads, each device holding "
+                              f"its q heads / {group} ({qs})")
+    if mask is not None and (ms.axis != MIRRORED if mask.ne[2] == 1 else not ms.equal(qs)):
+        raise _Fail(rule, f"mask {mask.label} ({ms}) must be MIRRORED (one head plane) or split like q ({qs})")
+    return SplitState.split(AXIS_1, qs.shares()), rule
+
+
 def _r_bin_bcast(t, srcs, ss, n_dev, assume_sync):
     rule = "binary broadcast"
     return _bin_bcast(t, srcs, ss, rule), rule
@@ -615,7 +652,8 @@ def _r_mirrored(t, srcs, ss, n_dev, assume_sync):
 
 SPLIT_RULES = {
     "generic": _r_generic, "generic_scalar": _r_generic_scalar, "per_row": _r_per_row,
-    "soft_max": _r_soft_max, "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
+    "soft_max": _r_soft_max, "rope": _r_rope, "flash_attn_ext": _r_flash_attn_ext,
+    "bin_bcast": _r_bin_bcast, "concat": _r_concat, "mul_mat": _r_mul_mat, "reshape": _r_reshape,
     "cpy": _r_cpy, "view": _r_view, "permute": _r_permute, "mirrored": _r_mirrored,
     "get_rows": _simple("get_rows", _get_rows), "set_rows": _simple("set_rows", _set_rows),
     "ssm_conv": _simple("ssm_conv", _ssm_conv), "gated_delta_net": _simple("gated_delta_net", _gated_delta_net),

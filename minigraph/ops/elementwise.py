@@ -72,12 +72,24 @@ def _times30(x):
     return x * np.float32(30)   # crosses softplus's x > 20 branch
 
 
+def _gelu(x):
+    """ggml's CPU GELU on f32 (the tanh approximation through its f16 table): 0 for x <= -10,
+    x for x >= 10, else gelu_tanh of x rounded to f16, the result rounded to f16. The inner
+    1 + 0.044715*x*x is one fused multiply-add, as ggml's build contracts it."""
+    h = x.astype(np.float16).astype(np.float32)
+    inner = ((np.float32(0.044715) * h).astype(np.float64) * h + 1.0).astype(np.float32)
+    t = np.tanh((np.float32(0.7978845608028654) * h * inner).astype(np.float64)).astype(np.float32)
+    g = (np.float32(0.5) * h * (np.float32(1) + t)).astype(np.float16).astype(np.float32)
+    return np.where(x <= np.float32(-10), np.float32(0), np.where(x >= np.float32(10), x, g)).astype(np.float32)
+
+
 silu = unary("SILU", _silu)
 sigmoid = unary("SIGMOID", _sigmoid)
 softplus = unary("SOFTPLUS", _softplus, data=_times30)
 exp = unary("EXP", np.exp)
 neg = unary("NEG", np.negative, exact=True)
 sqrt = unary("SQRT", np.sqrt, data=np.abs)
+gelu = unary("GELU", _gelu, data=_times30)
 
 
 BINARY = {"ADD": np.add, "SUB": np.subtract, "MUL": np.multiply, "DIV": np.divide}

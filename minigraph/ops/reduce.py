@@ -1,4 +1,4 @@
-"""Row ops over dim 0: rms_norm, l2_norm, sum_rows, soft_max (sums in double, as ggml's CPU)."""
+"""Row ops over dim 0: norm, rms_norm, l2_norm, sum_rows, soft_max (sums in double, as ggml's CPU)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,36 @@ from .public import public
 def _f32_rows(name, a):
     require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
     require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
+
+
+@op("NORM", srcs=("a",), params={"eps": float}, split="per_row",
+    ggml=GgmlCall("norm", ("a", "eps")), cases=cases("rows", eps=1e-5),
+    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row centred and scaled)")
+def _norm_rule(a, eps):
+    _f32_rows("NORM", a)
+    require(eps >= 0, "NORM", f"eps must be >= 0, got {eps}")
+    return Out(f32, a.ne)
+
+
+@reference("NORM")
+def _norm_ref(node, a):
+    n = a.shape[-1]
+    # the sum in double rounded to f32, then divided in f32 (ggml's order); the variance in double
+    mean = np.sum(a.astype(np.float64), axis=-1, keepdims=True).astype(np.float32) / np.float32(n)
+    v = (a - mean).astype(np.float32)                    # the centred row, as ggml stores it
+    var = (np.sum((v * v).astype(np.float64), axis=-1, keepdims=True) / n).astype(np.float32)
+    scale = np.float32(1) / np.sqrt(var + np.float32(node.params["eps"]))
+    return (v * scale).astype(np.float32)
+
+
+@public("NORM", """
+>>> mg.norm(ctx.new_tensor_2d(mg.f32, 64, 5), 1e-5).ne
+(64, 5, 1, 1)
+""")
+def norm(a, eps):
+    """ggml_norm: each row (dim 0) minus its mean, times 1 / sqrt(variance + eps) (layer norm
+    without weight and bias; the mean and the variance summed in double)."""
+    return build("NORM", a=a, eps=eps)
 
 
 @op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",

@@ -533,6 +533,109 @@ def _(rng):
     return _gdn_built(rng, 3, True)
 
 
+# ---------------------------------------------------------------------------------------------
+# rope
+
+
+def _rope_input(b, rng, ne, layout):
+    """a for ROPE in the layouts llama.cpp feeds it: contig; strided (a view with padded rows and
+    planes, as a slice of a fused QKV projection); permuted (heads and tokens swapped in memory,
+    dim 0 kept dense, as rope after a permute)."""
+    if layout == "permuted":
+        base = b.leaf(f32, (ne[0], ne[2], ne[1], ne[3]), rng=rng)
+        return mg.permute(base, 0, 2, 1, 3)
+    return b.input(rng, f32, ne, layout)
+
+
+def _rope_built(rng, mode, layout, yarn=False, freq_factors=False):
+    from minigraph.ops.rope import MULTI_MODES
+    b = Built(Context())
+    half = int(rng.integers(1, 9))
+    n0 = 2 * half + int(rng.integers(0, 2)) * 2 * int(rng.integers(0, 3))   # sometimes dims past n_dims
+    ne = (n0, int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 3)))
+    n_dims = 2 * int(rng.integers(1, half + 1))
+    a = _rope_input(b, rng, ne, layout)
+    multi = mode in MULTI_MODES
+    pos = b.leaf(i32, ((4 if multi else 1) * ne[2],), data=rng.integers(0, 3000, (4 if multi else 1) * ne[2]))
+    c = None
+    if freq_factors:
+        n_ff = n_dims // 2 + int(rng.integers(0, 3))
+        c = b.leaf(f32, (n_ff,), data=rng.uniform(0.5, 4.0, n_ff))
+    fl = dict(n_ctx_orig=int(rng.integers(512, 8192)), freq_base=float(rng.choice([10000.0, 500000.0, 1e6])),
+              freq_scale=float(rng.uniform(0.1, 1.0)) if yarn else 1.0, ext_factor=float(rng.uniform(0.5, 1.0)) if yarn else 0.0,
+              attn_factor=float(rng.uniform(0.5, 1.5)), beta_fast=32.0, beta_slow=1.0)
+    if multi:
+        pairs = n_dims // 2
+        cut = sorted(int(x) for x in rng.integers(0, pairs + 1, 2))
+        sections = [max(cut[0], 1), cut[1] - cut[0], pairs - cut[1]]
+        sections.append(int(rng.integers(0, 2)) if sum(sections) < n0 else 0)   # ggml: sum <= ne0
+        b.out(mg.rope_multi(a, pos, c, n_dims, sections, mode, **fl))
+    else:
+        b.out(mg.rope_ext(a, pos, c, n_dims, mode, **fl))
+    return b
+
+
+for _mode, _mname in ((0, "normal"), (2, "neox")):
+    for _layout in ("contig", "strided", "permuted"):
+        @case("ROPE", f"{_mname}_{_layout}", nmse=1e-10)
+        def _(rng, _mode=_mode, _layout=_layout):
+            return _rope_built(rng, _mode, _layout)
+
+    @case("ROPE", f"{_mname}_yarn_freq_factors", nmse=1e-10)
+    def _(rng, _mode=_mode):
+        return _rope_built(rng, _mode, "strided", yarn=True, freq_factors=True)
+
+for _mode, _mname in ((8, "mrope"), (40, "imrope")):
+    for _layout in ("contig", "permuted"):
+        @case("ROPE", f"{_mname}_{_layout}", nmse=1e-10)
+        def _(rng, _mode=_mode, _layout=_layout):
+            return _rope_built(rng, _mode, _layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+def _fa_built(rng, layout, mask=True, softcap=False, alibi=False):
+    """flash_attn_ext on random shapes: contig leaves; or llama.cpp's layout (q a permute of
+    [D_k, n_head, n_q], k and v views of the first n_kv rows of larger caches: strided heads)."""
+    b = Built(Context())
+    dk, dv = int(rng.integers(1, 33)), int(rng.integers(1, 33))
+    n_q, n_kv, n_seq = int(rng.integers(1, 6)), int(rng.integers(1, 13)), int(rng.integers(1, 3))
+    n_kv_head, group = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    n_head = n_kv_head * group
+    if layout == "contig":
+        q = b.leaf(f32, (dk, n_q, n_head, n_seq), rng=rng)
+        k = b.leaf(f32, (dk, n_kv, n_kv_head, n_seq), rng=rng)
+        v = b.leaf(f32, (dv, n_kv, n_kv_head, n_seq), rng=rng)
+    else:
+        q = mg.permute(b.leaf(f32, (dk, n_head, n_q, n_seq), rng=rng), 0, 2, 1, 3)
+        n_ctx = n_kv + int(rng.integers(1, 5))
+        kc = b.leaf(f32, (dk, n_ctx, n_kv_head, n_seq), rng=rng)
+        vc = b.leaf(f32, (dv, n_ctx, n_kv_head, n_seq), rng=rng)
+        k = mg.view_4d(kc, dk, n_kv, n_kv_head, n_seq, kc.nb[1], kc.nb[2], kc.nb[3], 0)
+        v = mg.view_4d(vc, dv, n_kv, n_kv_head, n_seq, vc.nb[1], vc.nb[2], vc.nb[3], 0)
+    m = None
+    if mask:
+        m2 = n_head if alibi or rng.integers(0, 2) else 1
+        m_ne = (n_kv + int(rng.integers(0, 3)), n_q + int(rng.integers(0, 3)), m2, 1)
+        vals = rng.uniform(-1.0, 1.0, tuple(reversed(m_ne)))
+        i1, i0 = np.arange(m_ne[1])[:, None], np.arange(m_ne[0])[None, :]
+        vals = np.where(i0 > i1 + n_kv - n_q, -np.inf, vals)   # causal over the last n_q positions
+        m = b.leaf(f16, m_ne, data=vals)
+    b.out(mg.flash_attn_ext(q, k, v, m, float(rng.uniform(0.05, 1.0)), float(rng.uniform(1.0, 8.0)) if alibi else 0.0,
+                            float(rng.uniform(5.0, 30.0)) if softcap else 0.0))
+    return b
+
+
+for _name, _kw in (("contig_nomask", dict(layout="contig", mask=False)), ("contig_mask", dict(layout="contig")),
+                   ("cache_views_mask", dict(layout="cache")), ("softcap", dict(layout="cache", softcap=True)),
+                   ("alibi", dict(layout="contig", alibi=True))):
+    @case("FLASH_ATTN_EXT", _name, nmse=1e-10)
+    def _(rng, _kw=_kw):
+        return _fa_built(rng, **_kw)
+
+
 def cases_for(op: str) -> list[Case]:
     return [c for c in CASES if c.op == op]
 
