@@ -298,8 +298,19 @@ def main(argv=None):
     ap.add_argument("--retries", type=int, default=None,
                     help="measure a row again (up to N times, default 2; 1 with --quick, within its "
                          "first minute) while other processes keep a core busy")
+    ap.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
+                    help="stop starting new rows after this many seconds (0: no limit); the rows left out "
+                         "are counted at the end (minigraph bench --quick uses it)")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    t_start = time.perf_counter()
+    skipped = [0]
+
+    def over_budget() -> bool:
+        if args.budget > 0 and time.perf_counter() - t_start > args.budget:
+            skipped[0] += 1
+            return True
+        return False
     if args.retries is None:
         args.retries = 1 if args.quick else 2
     # --quick stays under two minutes on a busy 2-core machine: no retries after the first minute
@@ -318,6 +329,8 @@ def main(argv=None):
     busiest = 0.0
     for name in [n for n in args.models.split(",") if n]:
         for nt in threads:
+            if over_budget():
+                continue
             res, other = quietest(lambda: bench_model(name, nt, reps, steps, 32), args.retries, deadline)
             busiest = max(busiest, other or 0.0)
             for (phase, reuse), (tps, t, nb, nr) in res.items():
@@ -337,6 +350,8 @@ def main(argv=None):
         for phase, Ts in (("decode", (1,)), ("prefill", prefill_T)):
             for T in Ts:
                 for nt in threads:
+                    if over_budget():
+                        continue
                     (t, n_rec, n_ggml), other = quietest(
                         lambda: bench_layer(kind, T, nt, layer_reps, min_time), args.retries, deadline)
                     busiest = max(busiest, other or 0.0)
@@ -358,6 +373,11 @@ def main(argv=None):
     if busiest > BUSY:
         print(f"note: other processes kept up to {busiest:.2f} cores busy; rows marked * are unreliable "
               f"(two-thread rows above all)")
+    if skipped[0]:
+        print(f"budget: {args.budget:.0f} s reached, {skipped[0]} rows not measured (without --budget every row runs)")
+    if worst is None:
+        print("worst layer-graph time ratio minigraph/ggml: n/a (no layer row within the budget)")
+        return
     print(f"worst case: {worst[1]} {worst[2]} T={worst[3]}, {worst[4]} threads")
     print(f"worst layer-graph time ratio minigraph/ggml: {worst[0]:.2f} ({worst[1]}, {worst[2]})")
 

@@ -366,7 +366,7 @@ def bench_case_contention(case, threads, reps, min_time):
             gg.close()
 
 
-def contention_rows(cases, threads, reps, min_time):
+def contention_rows(cases, threads, reps, min_time, over_budget=lambda: False):
     """The contention table (printed as it goes) and the worst 2-thread/1-thread ratio of
     minigraph's medians: (lines, worst, failures against ggml)."""
     lines = []
@@ -378,6 +378,8 @@ def contention_rows(cases, threads, reps, min_time):
     worst, slower = None, []
     with BusyProcess():
         for case in cases:
+            if over_budget():
+                break
             t = bench_case_contention(case, threads, reps, min_time)
             one = pct(t[("minigraph", min(threads))], 0.5)
             for nt in threads:
@@ -494,12 +496,19 @@ def main(argv=None):
     ap.add_argument("--no-contention", action="store_true", help="skip the contention rows")
     ap.add_argument("--write", action="store_true",
                     help="write the tables and a machine line into bench/RESULTS.md (its own section)")
+    ap.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
+                    help="stop starting new rows after this many seconds (0: no limit); the rows left out "
+                         "are counted at the end (minigraph bench --quick uses it)")
     args = ap.parse_args(argv)
     reps, min_time = (5, 0.02) if args.quick else (15, 0.05)
     threads = [int(t) for t in args.threads.split(",")]
     cmd = "python bench/ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine0 = machine_line()
     t_start = time.time()
+    skipped = []
+
+    def over_budget() -> bool:
+        return args.budget > 0 and time.time() - t_start > args.budget
     if go is None:
         print(f"ggml not available ({GGML_ERROR}); ratios against ggml are omitted")
     cases = [c for c in all_cases(args.quick) if not args.filter or args.filter.upper() in c[0]]
@@ -514,6 +523,9 @@ def main(argv=None):
         print(out[0])
         print(out[1])
         for case in cases:
+            if over_budget():
+                skipped.append(case[0] + " " + case[1])
+                continue
             for nt in threads:
                 t = bench_case(case, nt, reps, min_time)
                 mg_t = t["minigraph"]
@@ -530,7 +542,7 @@ def main(argv=None):
                     worst = (rg, case[0], case[1], nt)
                 if case[0] == "MUL_MAT" and case[1] == "4096x4096 by 4096x512" and (gemm is None or nt >= gemm[1]):
                     gemm = (rn, nt)
-        if not args.filter:
+        if not args.filter and not over_budget():
             for nt in threads:
                 mg.backend("cpu").set_n_threads(nt)
                 steps = decode_graph_step()
@@ -543,16 +555,22 @@ def main(argv=None):
     cont_lines, cworst, slower = [], None, []
     if not args.no_contention and len(threads) > 0:
         # per-call timing needs fewer rounds (every call is a sample)
-        cont_lines, cworst, slower = contention_rows(cases, threads, 3 if args.quick else 7, min_time)
+        cont_lines, cworst, slower = contention_rows(cases, threads, 3 if args.quick else 7, min_time,
+                                                     over_budget)
     tail = []
+    if skipped:
+        tail.append(f"budget: {args.budget:.0f} s reached, {len(skipped)} of {len(cases)} rows not measured "
+                    f"(without --budget every row runs)")
     if gemm:
         tail.append(f"gemm: numpy/minigraph at 4096x4096x512: {gemm[0]:.2f} ({gemm[1]} threads)")
     if cont_lines:
         if cworst:
             tail.append(f"contention: worst {cworst[3]}-thread/1-thread ratio: {cworst[0]:.2f} "
                         f"({cworst[1]} at {cworst[2]}; rows slower than ggml under contention: {len(slower)})")
-        else:
+        elif len(threads) < 2:
             tail.append("contention: worst 2-thread/1-thread ratio: n/a (one thread count only)")
+        else:
+            tail.append("contention: worst 2-thread/1-thread ratio: n/a (no contention row within the budget)")
     if worst:
         tail.append(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
     elif not args.contention:
