@@ -373,3 +373,24 @@ def test_png_without_graphviz_uses_readable_matplotlib_labels(tmp_path, monkeypa
 def test_bench_shows_which_benchmark_runs_and_its_time():
     out = cli("bench", "--quick", "--only", "reuse").stdout
     assert "== [1/1] bench/reuse.py --quick" in out and "bench/reuse.py: done in" in out
+
+
+def test_bench_quick_gives_the_long_scripts_a_time_budget(monkeypatch, capsys):
+    # `minigraph bench --quick` stays near a minute because ops.py and models.py stop starting
+    # rows after their budget (checked here by the arguments, not by timing the run)
+    from minigraph.cli import bench as bench_cmd
+    calls = []
+    monkeypatch.setattr(bench_cmd.subprocess, "call", lambda argv: calls.append(argv) or 0)
+    args = type("A", (), {"quick": True, "only": None})()
+    assert bench_cmd.cmd_bench(args) == 0
+    by_script = {os.path.basename(a[1]): a[2:] for a in calls}
+    assert set(by_script) == {"ops.py", "models.py", "reuse.py"}
+    for name in ("ops.py", "models.py"):
+        assert "--quick" in by_script[name] and "--budget" in by_script[name], by_script[name]
+    assert sum(float(by_script[n][by_script[n].index("--budget") + 1]) for n in ("ops.py", "models.py")) <= 40
+
+
+def test_bench_ops_budget_counts_the_rows_left_out():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ops.py"), "--quick", "--budget", "0.001",
+                          "--no-contention", "--threads", "1"], capture_output=True, text=True, timeout=300).stdout
+    assert "budget: 0 s reached" in out and "rows not measured" in out
