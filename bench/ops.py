@@ -74,7 +74,7 @@ def ssm_conv_case(d_inner, n_t, n_s, d_conv=4):
 
 
 def conv_store_case(n_t, n_cols=3, K=4, ch=4096, n_seqs=4):
-    """seed 000's conv-state store: Kw overlapping windows into permuted rollback slots."""
+    """The shared conv-state store (llama.cpp's build_conv_state_store): Kw overlapping windows into permuted rollback slots."""
     mem = n_seqs + 1
     kw = min(n_t, K)
 

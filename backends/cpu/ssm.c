@@ -383,7 +383,7 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* GATED_DELTA_NET (REFERENCE 6.4): per sequence and head, with M[j][i] = S[i][j]:
+/* GATED_DELTA_NET (ggml_gated_delta_net, the state kept transposed): per sequence and head, with M[j][i] = S[i][j]:
  *   M *= exp(g)  (per column i, or scalar), delta_j = (v_j - M[j].k) * beta,
  *   M[j] += delta_j * k, out_j = M[j].q / sqrt(S).
  *   q = src[0] [S, H_q, T, n_q], k = src[1] [S, H_k, T, n_k]: heads tiled (h % H_q),
