@@ -38,6 +38,7 @@ import ctypes
 import importlib.util
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -391,10 +392,16 @@ class LlamaOracleProcess:
             self._stderr.append(line.decode("utf-8", "replace").rstrip())
 
     def crash_reason(self) -> str:
+        """The assertion (source file name, line, condition) and, when ggml printed a backtrace,
+        the first llama.cpp function in it."""
         self._drain.join(timeout=5)
         lines = [s for s in self._stderr if s.strip()]
-        marked = [s for s in lines if any(m in s for m in _ABORT_MARKS)]
-        return (marked or lines or ["no message on stderr"])[0 if marked else -1].strip()
+        marked = [s for s in lines if any(m in s for m in _ABORT_MARKS) and not s.startswith("#")]
+        reason = (marked or lines or ["no message on stderr"])[0 if marked else -1].strip()
+        reason = re.sub(r"^\S*/([^/\s]+:\d+:)", r"\1", reason)          # the file name, not its build path
+        frames = [m.group(1) for s in lines if s.startswith("#")
+                  for m in [re.search(r" in ((?:llama|llm)_\w*(?:::\w+)*)", s)] if m]
+        return reason + (f" (in {frames[0]})" if frames else "")
 
     def _call(self, name, args=(), kwargs=None):
         if self._proc is None:
