@@ -202,7 +202,10 @@ def batch_order(seq_tokens: dict) -> list:
 
 
 class LlamaOracle:
-    """One llama.cpp model and context in this process (see the module docstring)."""
+    """One llama.cpp model and context in this process (see the module docstring). Not in a
+    process that has loaded libggml-python: its libggml-base.so has the same name as llama.cpp's,
+    and the dynamic loader binds llama.cpp's libraries to the one already loaded (undefined
+    symbols); LlamaOracleProcess runs it apart."""
 
     def __init__(self, path, *, n_ctx: int = 512, n_batch: int = 256, n_ubatch: int = 8,
                  n_seq_max: int = 1, n_rs_seq: int = 0, flash_attn: bool = False, n_threads: int = 1):
