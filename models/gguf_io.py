@@ -122,6 +122,9 @@ def _back_lfm2(kv):
             if x < 0 or (x and n_head % x):
                 raise GGUFError(f"lfm2: lfm2.attention.head_count_kv[{il}] = {x}, expected 0 (short conv) or a "
                                 f"divisor of head_count {n_head}")
+        if len(set(hkv) - {0}) > 1:
+            raise GGUFError(f"lfm2: lfm2.attention.head_count_kv {hkv} mixes K/V head counts, expected one "
+                            "value for every attention block (the KV cache has one V width)")
         for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
             if key in kv and int(kv[key]) != n_embd // n_head:
                 raise GGUFError(f"lfm2: lfm2.{key} = {kv[key]}, expected embedding_length / head_count = "

@@ -124,6 +124,8 @@ class LFM2Model(RecurrentModel):
         if isinstance(head_count_kv, (int, np.integer)):
             head_count_kv = [int(head_count_kv)] * n_layer
         hkv = [int(x) for x in head_count_kv]
+        if len(hkv) > n_layer:               # a model cut to its first blocks (the CLI's memory probe)
+            hkv = hkv[:n_layer]
         if len(hkv) != n_layer:
             raise ValueError(f"lfm2: attention.head_count_kv has {len(hkv)} entries, expected one per "
                              f"layer ({n_layer})")
@@ -135,6 +137,9 @@ class LFM2Model(RecurrentModel):
                 il, x = bad[0]
                 raise ValueError(f"lfm2: attention.head_count_kv[{il}] = {x}, expected 0 (short conv) or a "
                                  f"divisor of attention.head_count {n_head}")
+        if len(set(hkv) - {0}) > 1:         # the KV cache's shared v_idxs input needs one V width
+            raise ValueError(f"lfm2: attention.head_count_kv {hkv} mixes K/V head counts, expected one "
+                             "value for every attention block")
         return hkv
 
     def layer_weights(self, mk, il):
