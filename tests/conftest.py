@@ -4,6 +4,9 @@
   load error (instead of its tests skipping).
 - CUDA is expected only where CuPy is installed and a device is visible; then it must load too.
   Elsewhere the GPU tests skip, each with its reason (pytest -ra lists them).
+- llama.cpp (the optional `llama` extra, llama-cpp-python) is expected only where it is installed;
+  then it must load (checked in a process of its own), else the run stops with the reason. Where it
+  is not installed, tests/test_llama_oracle.py skips, saying how to install and run it.
 - A skip must say why: a skip with no reason fails."""
 import os
 
@@ -43,8 +46,20 @@ def backends_that_must_load_but_do_not() -> list[str]:
     return failures
 
 
+def llama_extra_problem() -> str | None:
+    """Why the installed llama extra does not load; None when it loads or is not installed."""
+    from minigraph.testing import llama_oracle
+    if not llama_oracle.installed():
+        return None
+    problem = llama_oracle.load_problem_isolated()
+    return None if problem is None else f"llama-cpp-python (the llama extra) is installed but: {problem}"
+
+
 def pytest_sessionstart(session):
     failures = backends_that_must_load_but_do_not()
+    llama = llama_extra_problem()
+    if llama:
+        failures.append(llama)
     if failures:
         pytest.exit("expected backends do not load (their tests would silently not run):\n  "
                     + "\n  ".join(failures), returncode=pytest.ExitCode.INTERNAL_ERROR)
@@ -76,3 +91,14 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_if_skipped_without_reason(outcome.get_result())
+
+
+# -- the llama.cpp oracle's agreement table, after the run ----------------------------------------
+def pytest_terminal_summary(terminalreporter):
+    import sys
+    mod = sys.modules.get("test_llama_oracle") or sys.modules.get("tests.test_llama_oracle")
+    results = getattr(mod, "RESULTS", None)
+    if results:
+        terminalreporter.write_line(f"llama.cpp oracle, max relative error of the logits (bound {mod.BOUND:g}):")
+        for (arch, scenario), e in sorted(results.items()):
+            terminalreporter.write_line(f"  {arch:12s} {scenario:34s} {e:.2e}")
