@@ -111,7 +111,12 @@ def build_attn(g, inp: InputAttnKV, q_cur, k_cur, v_cur, n_head: int, n_head_kv:
                il: int) -> mg.Tensor:
     """Store this ubatch's K/V, then attend over the cache (llama.cpp's build_attn with the KV
     cache and build_attn_mha without flash attention). q_cur [d, n_head, n_tokens], k_cur /
-    v_cur [d, n_head_kv, n_tokens]. Returns [d_v * n_head, n_tokens]."""
+    v_cur [d, n_head_kv, n_tokens]. Returns [d_v * n_head, n_tokens].
+
+    GQA (n_head a multiple of n_head_kv) needs no repeat: mul_mat broadcasts its first operand
+    over dim 2, so query head h reads K/V head h // (n_head / n_head_kv), as ggml does."""
+    if n_head % n_head_kv:
+        raise ValueError(f"attention layer {il}: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
     kv = inp.kv
     n_tokens = q_cur.ne[2]
     g.gf.build_forward_expand(cpy_k(kv, k_cur, inp.self_k_idxs, il))

@@ -174,7 +174,8 @@ class RecurrentModel:
         layer_outputs, the layer_output_names per layer)."""
         outs = {}
         tokens = g.build_inp_tokens()
-        inp_rs = g.build_inp_rs()
+        # a model whose every layer is attention has no recurrent state to read
+        inp_rs = g.build_inp_rs() if len(self.attn_layers) < len(self.layers) else None
         inp_attn = g.build_attn_inp_kv(self.causal) if self.attn_layers else None
         h = mg.get_rows(self.tok_embd, tokens)                              # [n_embd, n_tokens]
         for il in self.layers:

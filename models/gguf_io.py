@@ -95,19 +95,45 @@ def _common_back(kv: dict) -> dict:
 
 def _meta_lfm2(hp):
     n_layer = int(hp["n_layer"])
+    hkv = hp.get("head_count_kv") or [0] * n_layer
     return {**_common(hp),
             "shortconv.l_cache": int(hp["l_cache"]),
             "feed_forward_length": int(hp["n_ff"]),
             "attention.head_count": int(_pick(hp, "n_head", default=1)),
-            "attention.head_count_kv": [0] * n_layer}          # 0 = short-conv block
+            "attention.head_count_kv": [int(x) for x in hkv],       # per layer; 0 = short-conv block
+            "rope.freq_base": float(hp.get("rope_freq_base", 1e6))}
 
 
 def _back_lfm2(kv):
-    kv_heads = list(kv.get("attention.head_count_kv", []))
-    if any(int(x) != 0 for x in kv_heads):
-        raise GGUFError("lfm2: this file has attention blocks (head_count_kv != 0); models.lfm has short-conv blocks only")
-    return {**_common_back(kv), "l_cache": kv["shortconv.l_cache"], "n_ff": kv["feed_forward_length"],
-            "n_head": kv["attention.head_count"]}
+    """lfm2 keys -> LFM2Model hparams, checked before any weight is read: head_count_kv is
+    llama.cpp's per-layer array (a single number means the same for every layer)."""
+    hp = {**_common_back(kv), "l_cache": kv["shortconv.l_cache"], "n_ff": kv["feed_forward_length"],
+          "n_head": kv["attention.head_count"]}
+    n_layer, n_embd, n_head = int(hp["n_layer"]), int(hp["n_embd"]), int(hp["n_head"])
+    hkv = kv.get("attention.head_count_kv", 0)
+    hkv = [int(hkv)] * n_layer if isinstance(hkv, (int, float)) else [int(x) for x in hkv]
+    if len(hkv) != n_layer:
+        raise GGUFError(f"lfm2: lfm2.attention.head_count_kv has {len(hkv)} entries, expected one per block "
+                        f"(block_count {n_layer})")
+    if any(hkv):
+        if n_head <= 0 or n_embd % n_head:
+            raise GGUFError(f"lfm2: lfm2.attention.head_count {n_head} must divide embedding_length {n_embd}")
+        for il, x in enumerate(hkv):
+            if x < 0 or (x and n_head % x):
+                raise GGUFError(f"lfm2: lfm2.attention.head_count_kv[{il}] = {x}, expected 0 (short conv) or a "
+                                f"divisor of head_count {n_head}")
+        if len(set(hkv) - {0}) > 1:
+            raise GGUFError(f"lfm2: lfm2.attention.head_count_kv {hkv} mixes K/V head counts, expected one "
+                            "value for every attention block (the KV cache has one V width)")
+        for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+            if key in kv and int(kv[key]) != n_embd // n_head:
+                raise GGUFError(f"lfm2: lfm2.{key} = {kv[key]}, expected embedding_length / head_count = "
+                                f"{n_embd // n_head} (models.lfm has head_dim = n_embd / n_head)")
+    if int(hp["l_cache"]) < 2:
+        raise GGUFError(f"lfm2: lfm2.shortconv.l_cache = {hp['l_cache']}, expected > 1")
+    hp["head_count_kv"] = hkv
+    hp["rope_freq_base"] = float(kv.get("rope.freq_base", 10000.0))     # llama.cpp's default when absent
+    return hp
 
 
 def _meta_kimi(hp):
@@ -287,6 +313,8 @@ def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = Fal
         writer.add_tokenizer_model("none")                       # token ids are fed directly
         if embed_hparams:
             writer.add_string(HPARAMS_KEY, json.dumps(hp, sort_keys=True))
+        for key, (val, vtype, sub) in getattr(model, "gguf_extra_kv", {}).items():   # kept from a loaded file
+            writer.add_key_value(key, val, vtype, sub_type=sub)
         if tie_output:
             out, emb = tensors.pop("output.weight", None), tensors.get("token_embd.weight")
             if out is None or emb is None or not np.array_equal(out.numpy(), emb.numpy()):
@@ -379,15 +407,32 @@ def load_gguf(path, devices=None):
     extra = sorted(set(found) - set(want) - {"output.weight"})
     if extra:
         raise GGUFError(f"{path}: tensors {extra} have no place in {cls.__name__}")
-    for name, t in want.items():
+    for name, t in want.items():              # every type and shape checked before any data is read
         rt = found[name]
         if rt.tensor_type != gguf.GGMLQuantizationType.F32:
             raise GGUFError(f"{name}: only f32 tensors are read, got {rt.tensor_type.name}")
         ne = tuple(int(x) for x in rt.shape)
         if ne + (1,) * (4 - len(ne)) != t.ne:
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
-        t.set(np.ascontiguousarray(rt.data, dtype=np.float32).reshape(t.shape))
+    for name, t in want.items():
+        t.set(np.ascontiguousarray(found[name].data, dtype=np.float32).reshape(t.shape))
+    model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
+
+
+def _extra_fields(reader, model, arch: str, hp: dict) -> dict:
+    """{key: (value, GGUF type, array sub type)} of the file's keys save_gguf would not write
+    itself, so a load -> save round trip keeps them (with their types)."""
+    ours = {f"{arch}.{k}" for k in _metadata(model, arch, hp)}
+    ours |= {"general.architecture", "general.name", "general.file_type", "tokenizer.ggml.model", HPARAMS_KEY}
+    T = _gguf().GGUFValueType
+    out = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in ours:
+            continue
+        sub = f.types[-1] if f.types and f.types[0] == T.ARRAY and len(f.types) > 1 else None
+        out[name] = (_field_value(f), f.types[0], sub)
+    return out
 
 
 __all__ = ["save_gguf", "load_gguf", "read_metadata", "model_class", "GGUFError", "ARCH_CLASSES", "HPARAMS_KEY"]

@@ -109,6 +109,19 @@ class InputTokens(GraphInput):
         return _differs("tokens (n_tokens)", self.tokens.ne[0], params.ubatch.n_tokens)
 
 
+class InputPos(GraphInput):
+    """llm_graph_input_pos: each token's position (what rope rotates by)."""
+
+    def __init__(self, pos: mg.Tensor):
+        self.pos = pos
+
+    def set_input(self, ubatch):
+        self.pos.set(np.asarray(ubatch.pos, np.int32))
+
+    def can_reuse(self, params):
+        return _differs("pos (n_tokens)", self.pos.ne[0], params.ubatch.n_tokens)
+
+
 class InputRS(GraphInput):
     """llm_graph_input_rs: s_copy [n_rs] and its two views, head and rs_z captured at build time
     (they are baked into byte offsets of cache views), and the host-filled slot order (llama.cpp's later slot-order input) when
@@ -190,6 +203,15 @@ class GraphContext:
     def build_inp_tokens(self) -> mg.Tensor:
         t = self.ctx0.new_tensor_1d(mg.i32, self.n_tokens).set_name("inp_tokens").set_input()
         self.res.inputs.append(InputTokens(t))
+        return t
+
+    def build_inp_pos(self) -> mg.Tensor:
+        """The positions of the ubatch's tokens [n_tokens] i32 (llama.cpp's inp_pos); built once
+        per graph, so every attention layer that asks shares it."""
+        if getattr(self, "_inp_pos", None) is not None:
+            return self._inp_pos
+        t = self._inp_pos = self.ctx0.new_tensor_1d(mg.i32, self.n_tokens).set_name("inp_pos").set_input()
+        self.res.inputs.append(InputPos(t))
         return t
 
     def build_inp_rs(self) -> InputRS:

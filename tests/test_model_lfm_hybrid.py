@@ -1,0 +1,258 @@
+"""LFM2 with attention blocks (llama.cpp's hybrid layout: short-conv blocks keep their state in the
+recurrent memory, attention blocks their K/V in the KV cache): logits against the sequential NumPy
+reference (prefill, decode, two sequences in one batch, several layer patterns, GQA), drafts
+rolled back, the ref and cpu backends, GGUF round trips (any layer pattern, unknown keys kept),
+bad files refused in one line before any weight is read, and the command line."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph.models.gguf_io import GGUFError, load_gguf, read_metadata, save_gguf
+from minigraph.models.hybrid_memory import HybridMemory
+from minigraph.models.lfm import LFM2HybridModel, LFM2Model
+from minigraph.models.runner import Runner
+
+from refs import check
+from refs.lfm_hybrid_ref import LfmHybridRef
+
+PATTERNS = {                       # per-layer head_count_kv: 0 = short conv
+    "conv-attn-conv": [0, 2, 0],
+    "attn-first": [2, 0, 0, 2],
+    "mostly-attn": [4, 0, 4],
+    "all-attn": [4, 4],
+    "attn-last-mqa": [0, 0, 1],
+}
+
+
+def model(devices=None, pattern=(0, 2, 0), seed=0, **kw):
+    return LFM2Model(n_vocab=40, n_embd=32, n_layer=len(pattern), l_cache=3, n_ff=48, n_head=4,
+                     head_count_kv=list(pattern), devices=devices, seed=seed, **kw)
+
+
+def runner(m=None, **kw):
+    kw.setdefault("mem_size", 4)
+    kw.setdefault("n_rs_seq", 3)
+    kw.setdefault("n_ubatch", 8)
+    kw.setdefault("kv_size", 64)
+    return Runner(m or model(), **kw)
+
+
+def test_attention_layers_follow_head_count_kv_and_get_a_hybrid_memory():
+    m = model(pattern=[2, 0, 0, 2])
+    assert m.attn_layers == (0, 3) and m.head_dim == 8
+    assert [m.n_embd_r(il) for il in range(4)] == [0, 64, 64, 0]
+    assert m.n_embd_k_gqa(0) == 16 and m.n_embd_v_gqa(3) == 16 and m.n_embd_k_gqa(1) == 0
+    names = m.gguf_tensors()
+    for n in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"):
+        assert f"blk.0.{n}.weight" in names and f"blk.1.{n}.weight" not in names
+    assert names["blk.0.attn_k.weight"].ne[:2] == (32, 16) and names["blk.0.attn_q_norm.weight"].ne[0] == 8
+    r = runner(m)
+    assert isinstance(r.memory, HybridMemory)
+    assert r.memory.kv.layers == [0, 3] and r.memory.recurrent.layers == [1, 2]
+
+
+def test_default_hybrid_has_llama_cpp_style_attention_blocks():
+    m = LFM2HybridModel(n_layer=6)
+    assert m.head_count_kv == [0, 2, 0, 0, 2, 0] and m.attn_layers == (1, 4)
+    assert LFM2Model().attn_layers == ()
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_prefill_decode_two_sequences_match_the_reference(device, pattern):
+    r = runner(model(mg.backend(device), PATTERNS[pattern], seed=3))
+    ref = LfmHybridRef(r.model)
+    what = f"{pattern}/{device}"
+    out = r.decode_seq_tokens({0: [1, 2, 3, 4, 5], 1: [7, 8, 9]})
+    check("lfm2-hybrid", f"prefill {what}", out[0], ref.run(0, [1, 2, 3, 4, 5]))
+    check("lfm2-hybrid", f"prefill {what}", out[1], ref.run(1, [7, 8, 9]))
+    for a, b in (([6], [10]), ([11, 12], [13, 14]), ([15], [16]), ([17, 18, 19], [20, 21, 22])):
+        out = r.decode_seq_tokens({0: a, 1: b})
+        check("lfm2-hybrid", f"decode {what}", out[0], ref.run(0, a))
+        check("lfm2-hybrid", f"decode {what}", out[1], ref.run(1, b))
+
+
+def test_long_prefill_over_several_ubatches_matches_the_reference():
+    r = runner(n_ubatch=5)
+    ref = LfmHybridRef(r.model)
+    toks = [int(t) for t in np.arange(23) * 7 % 40]
+    check("lfm2-hybrid", "long prefill", r.decode_seq_tokens({0: toks})[0], ref.run(0, toks))
+
+
+@pytest.mark.parametrize("pattern", ["conv-attn-conv", "attn-first"])
+def test_drafts_rolled_back_match_the_reference(pattern):
+    r = runner(model(pattern=PATTERNS[pattern], seed=5))
+    ref = LfmHybridRef(r.model)
+    check("lfm2-hybrid", "draft prefill", r.decode_seq_tokens({0: [1, 2, 3, 4]})[0], ref.run(0, [1, 2, 3, 4]))
+    for draft, n_accept in (([5, 6, 7], 1), ([8, 9], 2), ([10, 11, 12, 13], 2), ([14], 1)):
+        got = r.speculative_step(0, draft, n_accept)
+        check("lfm2-hybrid", "drafts", got, ref.run(0, draft[:n_accept]))
+        assert r.memory.kv.seq_pos_max(0) == r.memory.recurrent.seq_pos_max(0)
+    assert r.stats.rollbacks == 2
+    check("lfm2-hybrid", "after drafts", r.decode_seq_tokens({0: [3]})[0], ref.run(0, [3]))
+
+
+def test_a_copied_sequence_sees_the_shared_prefix():
+    r = runner()
+    ref = LfmHybridRef(r.model)
+    r.decode_seq_tokens({0: [1, 2, 3]})
+    ref.run(0, [1, 2, 3])
+    r.memory.seq_cp(0, 2)
+    ref.copy_seq(0, 2)
+    out = r.decode_seq_tokens({0: [4], 2: [9]})
+    check("lfm2-hybrid", "seq_cp", out[0], ref.run(0, [4]))
+    check("lfm2-hybrid", "seq_cp", out[2], ref.run(2, [9]))
+
+
+def test_ref_and_cpu_backends_agree():
+    toks = {0: [3, 1, 4, 1, 5], 1: [9, 2, 6]}
+    a = runner(model(mg.backend("ref"), seed=7)).decode_seq_tokens(toks)
+    b = runner(model(mg.backend("cpu"), seed=7)).decode_seq_tokens(toks)
+    for s in toks:
+        check("lfm2-hybrid", "ref vs cpu", b[s], a[s])
+
+
+def test_layers_on_two_devices_match_the_reference():
+    cpu0, cpu1 = mg.backend("cpu:0"), mg.backend("cpu:1")
+    r = runner(model([cpu0, cpu1, cpu1]))
+    ref = LfmHybridRef(r.model)
+    assert r.memory.kv.k_l[1].backend is cpu1
+    out = r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5]})
+    check("lfm2-hybrid", "two devices", out[0], ref.run(0, [1, 2, 3]))
+    check("lfm2-hybrid", "two devices", out[1], ref.run(1, [4, 5]))
+
+
+# -- GGUF -----------------------------------------------------------------------------------------
+
+def logits_of(m):
+    return Runner(m, mem_size=2, kv_size=32).decode_seq_tokens({0: [1, 2, 3, 4], 1: [5, 6]})
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_gguf_round_trip_any_layer_pattern(tmp_path, pattern):
+    cpu = mg.backend("cpu")
+    m = model(cpu, PATTERNS[pattern], seed=2, rope_freq_base=5000.0)
+    path = save_gguf(m, tmp_path / "h.gguf", embed_hparams=False)      # only llama.cpp's keys
+    kv = read_metadata(path)
+    assert list(kv["lfm2.attention.head_count_kv"]) == PATTERNS[pattern]
+    assert kv["lfm2.attention.head_count"] == 4 and kv["lfm2.rope.freq_base"] == 5000.0
+    back = load_gguf(path, devices=cpu)
+    assert back.head_count_kv == PATTERNS[pattern] and back.rope_freq_base == 5000.0
+    a, b = logits_of(m), logits_of(back)
+    for s in a:
+        assert np.array_equal(a[s], b[s])
+
+
+def _rewrite(src, dst, kv_edit=None, tensor_edit=None, extra=()):
+    """Copy a GGUF file, changing keys (kv_edit(key, value) -> value or None to drop) and tensors."""
+    import gguf
+    T = gguf.GGUFValueType
+    rd = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "lfm2")
+    for name, f in rd.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        from minigraph.models.gguf_io import _field_value
+        v = _field_value(f)
+        if kv_edit:
+            v = kv_edit(name, v)
+            if v is None:
+                continue
+        sub = f.types[-1] if f.types[0] == T.ARRAY else None
+        w.add_key_value(name, v, f.types[0], sub_type=sub)
+    for name, v, t, sub in extra:
+        w.add_key_value(name, v, t, sub_type=sub)
+    for t in rd.tensors:
+        arr = np.array(t.data)
+        if tensor_edit:
+            arr = tensor_edit(t.name, arr)
+        w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_unknown_keys_are_kept_on_a_round_trip(tmp_path):
+    import gguf
+    T = gguf.GGUFValueType
+    cpu = mg.backend("cpu")
+    src = save_gguf(model(cpu), tmp_path / "a.gguf")
+    f = _rewrite(src, tmp_path / "b.gguf", extra=[("lfm2.vocab_extra", 7, T.UINT64, None),
+                                                  ("general.license", "mit", T.STRING, None),
+                                                  ("lfm2.some_list", [1.5, 2.5], T.ARRAY, T.FLOAT32)])
+    back = load_gguf(f, devices=cpu)
+    out = save_gguf(back, tmp_path / "c.gguf")
+    kv = read_metadata(out)
+    assert kv["lfm2.vocab_extra"] == 7 and kv["general.license"] == "mit" and kv["lfm2.some_list"] == [1.5, 2.5]
+    assert gguf.GGUFReader(str(out)).fields["lfm2.vocab_extra"].types[0] == T.UINT64
+    assert list(kv["lfm2.attention.head_count_kv"]) == [0, 2, 0]
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("lfm2.attention.head_count_kv", [0, 2], r"head_count_kv has 2 entries, expected one per block \(block_count 3\)"),
+    ("lfm2.attention.head_count_kv", [0, 3, 0], r"head_count_kv\[1\] = 3, expected 0 \(short conv\) or a divisor of head_count 4"),
+    ("lfm2.attention.head_count_kv", [2, 0, 4], r"head_count_kv \[2, 0, 4\] mixes K/V head counts"),
+    ("lfm2.attention.head_count", 5, r"lfm2.attention.head_count 5 must divide embedding_length 32"),
+    ("lfm2.shortconv.l_cache", 1, r"lfm2.shortconv.l_cache = 1, expected > 1"),
+])
+def test_bad_heads_and_patterns_are_one_line_errors(tmp_path, key, value, match):
+    src = save_gguf(model(mg.backend("cpu")), tmp_path / "a.gguf", embed_hparams=False)
+    bad = _rewrite(src, tmp_path / "bad.gguf", kv_edit=lambda k, v: value if k == key else v)
+    with pytest.raises(GGUFError, match=match) as e:
+        load_gguf(bad, devices=mg.backend("cpu"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_key_is_named(tmp_path):
+    src = save_gguf(model(mg.backend("cpu")), tmp_path / "a.gguf", embed_hparams=False)
+    bad = _rewrite(src, tmp_path / "bad.gguf",
+                   kv_edit=lambda k, v: None if k == "lfm2.shortconv.l_cache" else v)
+    with pytest.raises(GGUFError, match="metadata key lfm2.shortconv.l_cache is missing"):
+        load_gguf(bad, devices=mg.backend("cpu"))
+
+
+@pytest.mark.parametrize("name,cut", [("blk.1.attn_k.weight", 8), ("blk.1.attn_q_norm.weight", 4)])
+def test_a_tensor_of_the_wrong_shape_is_named_before_any_weight_is_read(tmp_path, monkeypatch, name, cut):
+    cpu = mg.backend("cpu")
+    src = save_gguf(model(cpu), tmp_path / "a.gguf", embed_hparams=False)
+    bad = _rewrite(src, tmp_path / "bad.gguf",
+                   tensor_edit=lambda n, a: a[..., :cut].copy() if n == name else a)
+    import gguf
+    read = []
+    real = gguf.ReaderTensor.__getattribute__
+
+    def spy(self, attr):
+        if attr == "data":
+            read.append(real(self, "name"))
+        return real(self, attr)
+    monkeypatch.setattr(gguf.ReaderTensor, "__getattribute__", spy)
+    with pytest.raises(GGUFError, match=rf"{name}: shape in file ne=\[{cut}"):
+        load_gguf(bad, devices=cpu)
+    assert read == []                    # no tensor's data was touched
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "minigraph", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_runs_the_hybrid_and_passes_its_state_check():
+    p = cli("run", "lfm-hybrid", "--steps", "12", "--n-rs-seq", "3", "--draft", "4", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout)
+    assert out["state_check"] == "pass" and out["rollbacks"] > 0
+
+
+@pytest.mark.parametrize("pattern", ["conv-attn-conv", "attn-first"])
+def test_cli_runs_a_hybrid_gguf_file(tmp_path, pattern):
+    path = save_gguf(model(mg.backend("cpu"), PATTERNS[pattern]), tmp_path / "h.gguf")
+    p = cli("run", "--gguf", str(path), "--steps", "6", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout)["state_check"] == "pass"
