@@ -1,6 +1,11 @@
-"""Gated DeltaNet (Qwen3.5 style, llama.cpp arch `qwen35` with every layer linear-attention):
-embedding, N x (RMS norm -> gated delta-net mixer -> residual -> RMS norm -> SwiGLU FFN ->
-residual), final RMS norm, output head.
+"""Gated DeltaNet (Qwen3.5, llama.cpp arch `qwen35`), read side by side with llama.cpp's
+src/models/qwen35.cpp: embedding, N x (RMS norm -> mixer -> residual -> RMS norm -> SwiGLU FFN ->
+residual), final RMS norm, output head. The mixer of block il is a gated delta-net
+(recurrent state) or, when full_attention_interval is set and (il + 1) % interval == 0 (llama.cpp's
+rule), a gated attention block (KV cache): `build_gated_attn_layer`.
+
+q and k of the delta-net are l2-normed as llama.cpp does it: rms_norm(x, eps / n) / sqrt(n)
+= x / sqrt(sum x^2 + eps) (not ggml_l2_norm's x / max(|x|, eps)).
 
 `build_delta_net_layer` reads like llama.cpp's qwen35 `build_layer_attn_linear`: the conv history
 goes through `build_conv_state_store` (the one writer of the r cache); the recurrence is always
@@ -16,7 +21,68 @@ import numpy as np
 
 import minigraph as mg
 
-from .base import RecurrentModel, require_equal_seqs
+from .attn_inputs import build_attn
+from .base import RecurrentModel, build_norm, require_equal_seqs
+from .graph import GraphInput, _differs
+
+
+ROPE_TYPE_IMROPE = 40      # llama.cpp's rope type for qwen35 (interleaved multi-section rope)
+
+
+def build_gdn_l2_norm(x: mg.Tensor, eps: float) -> mg.Tensor:
+    """llama.cpp's delta-net l2 norm over dim 0: x / sqrt(sum x^2 + eps)."""
+    n = x.ne[0]
+    return mg.scale(mg.rms_norm(x, eps / n), 1.0 / np.sqrt(n))
+
+
+class InputPosMulti(GraphInput):
+    """llama.cpp's inp_pos for a rope with 4 position streams (n_pos_per_embd = 4) fed text
+    tokens: streams t, h, w = the token's position, stream e = 0; [4 * n_tokens] i32."""
+
+    def __init__(self, pos: mg.Tensor):
+        self.pos = pos
+
+    def set_input(self, ubatch):
+        p = np.asarray(ubatch.pos, np.int32)
+        self.pos.set(np.concatenate([p, p, p, np.zeros_like(p)]))
+
+    def can_reuse(self, params):
+        return _differs("pos (4 * n_tokens)", self.pos.ne[0], 4 * params.ubatch.n_tokens)
+
+
+def build_inp_pos_multi(g) -> mg.Tensor:
+    """The 4-stream positions input, built once per graph."""
+    if getattr(g, "_inp_pos_multi", None) is not None:
+        return g._inp_pos_multi
+    t = g._inp_pos_multi = g.ctx0.new_tensor_1d(mg.i32, 4 * g.n_tokens).set_name("inp_pos").set_input()
+    g.res.inputs.append(InputPosMulti(t))
+    return t
+
+
+def build_gated_attn_layer(g, inp_attn, inp_pos: mg.Tensor, cur: mg.Tensor, il: int, w: dict,
+                           hp: "DeltaNetModel") -> mg.Tensor:
+    """One qwen35 gated attention mixer (llama.cpp's build_layer_attn). cur: the normed input
+    [n_embd, n_tokens]. attn_q gives, per head, the query then its gate (2 * head_dim rows);
+    q/k get a per-head RMS norm, IMROPE over the first n_rot dims, GQA attention over the KV
+    cache, the output times sigmoid(gate), then attn_output. Returns [n_embd, n_tokens]."""
+    T, d, H, Hkv = g.n_tokens, hp.attn_head_dim, hp.n_head, hp.n_head_kv
+    q_full = mg.mul_mat(w["attn_q"], cur)                                     # [2*d*H, T]
+    elt = q_full.type.size
+    q = mg.view_3d(q_full, d, H, T, 2 * d * elt, 2 * d * H * elt, 0)          # [d, H, T]
+    q = build_norm(q, w["attn_q_norm"], hp.eps)
+    k = mg.reshape_3d(mg.mul_mat(w["attn_k"], cur), d, Hkv, T)                # [d, Hkv, T]
+    k = build_norm(k, w["attn_k_norm"], hp.eps)
+    gate = mg.view_3d(q_full, d, H, T, 2 * d * elt, 2 * d * H * elt, d * elt)  # [d, H, T]
+    gate = mg.cont_2d(gate, d * H, T)                                         # [d*H, T]
+    v = mg.reshape_3d(mg.mul_mat(w["attn_v"], cur), d, Hkv, T)                # [d, Hkv, T]
+    # no YaRN (ext_factor 0), freq_scale 1, attn_factor 1 (llama.cpp's defaults for these files)
+    rope = (hp.n_rot, list(hp.rope_sections), ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_freq_base,
+            1.0, 0.0, 1.0, 32.0, 1.0)
+    q = mg.rope_multi(q, inp_pos, None, *rope)
+    k = mg.rope_multi(k, inp_pos, None, *rope)
+    cur = build_attn(g, inp_attn, q, k, v, H, Hkv, 1.0 / np.sqrt(d), il)      # [d*H, T]
+    cur = mg.mul(cur, mg.sigmoid(gate))
+    return mg.mul_mat(w["attn_output"], cur)                                  # [n_embd, T]
 
 
 def build_delta_net_layer(g, inp_rs, cur, il: int, w: dict, hp: "DeltaNetModel") -> mg.Tensor:
@@ -67,8 +133,8 @@ def build_delta_net_layer(g, inp_rs, cur, il: int, w: dict, hp: "DeltaNetModel")
     v_conv = mg.view_4d(conv_output, head_v_dim, num_v_heads, n_seq_tokens, n_seqs,      # [head_v_dim, num_v_heads, n_seq_tokens, n_seqs]
                         head_v_dim * elt, nb1, nb2, 2 * key_dim * elt)
 
-    q_conv = mg.l2_norm(q_conv, hp.eps)
-    k_conv = mg.l2_norm(k_conv, hp.eps)
+    q_conv = build_gdn_l2_norm(q_conv, hp.eps)
+    k_conv = build_gdn_l2_norm(k_conv, hp.eps)
 
     state = g.build_rs(inp_rs, ssm_states_all, hp.n_embd_s(il), n_seqs)                  # [n_embd_s, n_seqs]
     state = mg.reshape_4d(state, head_v_dim, head_v_dim, num_v_heads, n_seqs)            # [head_v_dim, head_v_dim, num_v_heads, n_seqs]
@@ -101,15 +167,47 @@ class DeltaNetModel(RecurrentModel):
     arch = "qwen35"
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, d_conv=4, head_dim=16, num_k_heads=2,
-                 num_v_heads=4, n_ff=128, eps=1e-6, devices=None, seed=0, layer_outputs=False):
+                 num_v_heads=4, n_ff=128, eps=1e-6, full_attention_interval=None, n_head=4, n_head_kv=2,
+                 attn_head_dim=None, n_rot=None, rope_sections=None, rope_freq_base=1e7, n_ctx_train=4096,
+                 devices=None, seed=0, layer_outputs=False):
         """devices: None (everything on cpu), one backend, or a list with one backend per layer;
         the embedding and output head live on the last device of the list (the host).
+        full_attention_interval: None or 0 = every block a delta-net; k = block il is a gated
+        attention block when (il + 1) % k == 0 (n_head query heads, n_head_kv K/V heads of
+        attn_head_dim (default head_dim), IMROPE over n_rot dims (default attn_head_dim) with
+        rope_sections (4 entries; default: the n_rot/2 pairs split over t, h, w)).
         layer_outputs: also return each layer's residual output as 'l_out.{il}' (tests)."""
         if num_v_heads % num_k_heads:
             raise ValueError("delta-net: num_v_heads must be a multiple of num_k_heads")
-        super().__init__(dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, head_dim=head_dim,
-                              num_k_heads=num_k_heads, num_v_heads=num_v_heads, n_ff=n_ff, eps=float(eps)),
-                         devices, layer_outputs)
+        interval = int(full_attention_interval or 0)
+        if interval < 0:
+            raise ValueError(f"qwen35: full_attention_interval = {interval}, expected >= 0")
+        attn_layers = tuple(il for il in range(n_layer) if interval and (il + 1) % interval == 0)
+        d = int(attn_head_dim or head_dim)
+        n_rot = int(n_rot or d)
+        if attn_layers:
+            if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+                raise ValueError(f"qwen35: attention.head_count {n_head} must be a multiple of "
+                                 f"attention.head_count_kv {n_head_kv} (both > 0)")
+            if n_rot % 2 or not 0 < n_rot <= d:
+                raise ValueError(f"qwen35: rope.dimension_count {n_rot} must be even and in (0, key_length {d}]")
+        if rope_sections is None:
+            half = n_rot // 2
+            rope_sections = [half - 2 * (half // 3), half // 3, half // 3, 0]
+        rope_sections = [int(x) for x in rope_sections]
+        if len(rope_sections) != 4 or any(x < 0 for x in rope_sections):
+            raise ValueError(f"qwen35: rope.dimension_sections {rope_sections}, expected 4 entries >= 0")
+        hp = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, head_dim=head_dim,
+                  num_k_heads=num_k_heads, num_v_heads=num_v_heads, n_ff=n_ff, eps=float(eps))
+        if interval:
+            hp.update(full_attention_interval=interval, n_head=n_head, n_head_kv=n_head_kv, attn_head_dim=d,
+                      n_rot=n_rot, rope_sections=rope_sections, rope_freq_base=float(rope_freq_base),
+                      n_ctx_train=n_ctx_train)
+        self.full_attention_interval, self.attn_layers = interval, attn_layers
+        self.n_head, self.n_head_kv, self.attn_head_dim, self.n_rot = n_head, n_head_kv, d, n_rot
+        self.rope_sections, self.rope_freq_base = rope_sections, float(rope_freq_base)
+        self.n_ctx_train = n_ctx_train
+        super().__init__(hp, devices, layer_outputs)
         self.d_conv = d_conv
         # hparams as llama.cpp names them: ssm_d_state = head_k_dim, ssm_n_group = num_k_heads,
         # ssm_dt_rank = num_v_heads, ssm_d_inner = value_dim
@@ -121,7 +219,24 @@ class DeltaNetModel(RecurrentModel):
         self.n_ff, self.eps = n_ff, eps
         self.make_weights(seed)
 
+    def attn_layer_weights(self, mk, il):
+        E, d, p = self.n_embd, self.attn_head_dim, f"blk.{il}."
+        H, Hkv = self.n_head, self.n_head_kv
+        lw = {
+            "attn_norm": mk(p + "attn_norm.weight", (E,), 0.1, 1.0),
+            "attn_q": mk(p + "attn_q.weight", (E, 2 * d * H), 1 / np.sqrt(E)),     # q | gate per head
+            "attn_k": mk(p + "attn_k.weight", (E, d * Hkv), 1 / np.sqrt(E)),
+            "attn_v": mk(p + "attn_v.weight", (E, d * Hkv), 1 / np.sqrt(E)),
+            "attn_q_norm": mk(p + "attn_q_norm.weight", (d,), 0.1, 1.0),
+            "attn_k_norm": mk(p + "attn_k_norm.weight", (d,), 0.1, 1.0),
+            "attn_output": mk(p + "attn_output.weight", (d * H, E), 1 / np.sqrt(d * H)),
+        }
+        lw.update(self.ffn_weights(mk, il, self.n_ff, norm="post_attention_norm"))
+        return lw
+
     def layer_weights(self, mk, il):
+        if il in self.attn_layers:
+            return self.attn_layer_weights(mk, il)
         E, Hv, p = self.n_embd, self.num_v_heads, f"blk.{il}."
         # dt bias = softplus^-1(dt0), dt0 log-uniform in [0.02, 0.2]; A in [-16, -1]:
         # per-token log-decay g = softplus(alpha + dt_bias) * A mostly in [-3, -0.02]
@@ -144,10 +259,27 @@ class DeltaNetModel(RecurrentModel):
     # memory sizes: conv history of d_conv-1 columns per conv channel (q|k|v); delta state
     # head_v_dim x head_v_dim per v head
     def n_embd_r(self, il):
-        return (self.d_conv - 1) * self.conv_channels
+        return 0 if il in self.attn_layers else (self.d_conv - 1) * self.conv_channels
 
     def n_embd_s(self, il):
-        return self.head_v_dim * self.head_v_dim * self.num_v_heads
+        return 0 if il in self.attn_layers else self.head_v_dim * self.head_v_dim * self.num_v_heads
+
+    def n_embd_k_gqa(self, il):
+        return self.attn_head_dim * self.n_head_kv if il in self.attn_layers else 0
+
+    def n_embd_v_gqa(self, il):
+        return self.n_embd_k_gqa(il)
 
     def build_layer(self, g, inp_rs, cur, il):
         return build_delta_net_layer(g, inp_rs, cur, il, self.layer_w[il], self)
+
+    def build_attn_layer(self, g, inp_attn, cur, il):
+        return build_gated_attn_layer(g, inp_attn, build_inp_pos_multi(g), cur, il, self.layer_w[il], self)
+
+
+class DeltaNetHybridModel(DeltaNetModel):
+    """qwen35 with llama.cpp's layout: 4 blocks, every 4th a gated attention block (Qwen3.5's
+    full_attention_interval), 4 query heads sharing 2 K/V heads."""
+
+    def __init__(self, n_layer=4, full_attention_interval=4, **kw):
+        super().__init__(n_layer=n_layer, full_attention_interval=full_attention_interval, **kw)

@@ -185,15 +185,30 @@ def _meta_qwen35(hp):
     head_dim = int(_pick(hp, "head_dim", "head_k_dim", "d_state", "ssm_d_state"))
     n_k = int(_pick(hp, "n_k_heads", "num_k_heads", "n_k_head", "n_group", "ssm_n_group"))
     n_v = int(_pick(hp, "n_v_heads", "num_v_heads", "n_v_head", "n_head", "ssm_dt_rank"))
-    return {**_common(hp),
-            "ssm.conv_kernel": int(_pick(hp, "d_conv", "ssm_d_conv")),
-            "ssm.state_size": head_dim,
-            "ssm.group_count": n_k,
-            "ssm.time_step_rank": n_v,
-            "ssm.inner_size": int(_pick(hp, "d_inner", default=head_dim * n_v)),
-            "feed_forward_length": int(_pick(hp, "n_ff")),
-            # every block is a delta-net block: the attention interval lies past the last block;
-            # llama.cpp's loader requires the attention keys even without attention blocks
+    out = {**_common(hp),
+           "ssm.conv_kernel": int(_pick(hp, "d_conv", "ssm_d_conv")),
+           "ssm.state_size": head_dim,
+           "ssm.group_count": n_k,
+           "ssm.time_step_rank": n_v,
+           "ssm.inner_size": int(_pick(hp, "d_inner", default=head_dim * n_v)),
+           "feed_forward_length": int(_pick(hp, "n_ff"))}
+    interval = int(hp.get("full_attention_interval") or 0)
+    if interval:                      # gated attention blocks at (il + 1) % interval == 0
+        d = int(hp.get("attn_head_dim") or head_dim)
+        n_rot = int(hp.get("n_rot") or d)
+        sections = hp.get("rope_sections") or [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6, 0]
+        return {**out,
+                "full_attention_interval": interval,
+                "attention.head_count": int(hp.get("n_head", 4)),
+                "attention.head_count_kv": int(hp.get("n_head_kv", 2)),
+                "attention.key_length": d,
+                "attention.value_length": d,
+                "rope.dimension_count": n_rot,
+                "rope.dimension_sections": [int(x) for x in sections],
+                "rope.freq_base": float(hp.get("rope_freq_base", 1e7))}
+    # every block is a delta-net block: the attention interval lies past the last block;
+    # llama.cpp's loader requires the attention keys even without attention blocks
+    return {**out,
             "full_attention_interval": n_layer + 1,
             "attention.head_count": 1,
             "attention.head_count_kv": 1,
@@ -203,11 +218,70 @@ def _meta_qwen35(hp):
             "rope.dimension_sections": [max(1, head_dim // 8)] * 3 + [0]}
 
 
+def _qwen35_attn_layers(kv, n_layer: int) -> tuple[list, int]:
+    """(attention blocks, interval) as llama.cpp's qwen35 loader finds them: the per-block
+    attention.recurrent_layers array when present, else full_attention_interval (default 4):
+    block il is attention when (il + 1) % interval == 0."""
+    if "attention.recurrent_layers" in kv:
+        recr = [bool(x) for x in kv["attention.recurrent_layers"]][:n_layer]
+        if len(recr) != n_layer:
+            raise GGUFError(f"qwen35: qwen35.attention.recurrent_layers has {len(recr)} entries, expected one "
+                            f"per block (block_count {n_layer})")
+        attn = [il for il in range(n_layer) if not recr[il]]
+        interval = attn[0] + 1 if attn else 0
+        if attn and attn != [il for il in range(n_layer) if (il + 1) % interval == 0]:
+            raise GGUFError(f"qwen35: qwen35.attention.recurrent_layers puts attention at blocks {attn}, "
+                            "expected every k-th block (models.delta_net has full_attention_interval layouts only)")
+        return attn, interval
+    interval = int(kv.get("full_attention_interval", 4))
+    if interval <= 0:
+        raise GGUFError(f"qwen35: qwen35.full_attention_interval = {interval}, expected > 0")
+    return [il for il in range(n_layer) if (il + 1) % interval == 0], interval
+
+
 def _back_qwen35(kv):
-    # names as models.delta_net.DeltaNetModel takes them
-    return {**_common_back(kv), "d_conv": kv["ssm.conv_kernel"], "head_dim": kv["ssm.state_size"],
-            "num_k_heads": kv["ssm.group_count"], "num_v_heads": kv["ssm.time_step_rank"],
-            "n_ff": kv["feed_forward_length"]}
+    """qwen35 keys -> DeltaNetModel hparams, checked before any weight is read."""
+    hp = {**_common_back(kv), "d_conv": kv["ssm.conv_kernel"], "head_dim": kv["ssm.state_size"],
+          "num_k_heads": kv["ssm.group_count"], "num_v_heads": kv["ssm.time_step_rank"],
+          "n_ff": kv["feed_forward_length"]}
+    n_layer, n_embd = int(hp["n_layer"]), int(hp["n_embd"])
+    d_state, n_k, n_v = int(hp["head_dim"]), int(hp["num_k_heads"]), int(hp["num_v_heads"])
+    if n_k <= 0 or n_v <= 0 or n_v % n_k:
+        raise GGUFError(f"qwen35: qwen35.ssm.time_step_rank {n_v} must be a multiple of ssm.group_count {n_k}")
+    if "ssm.inner_size" in kv and int(kv["ssm.inner_size"]) != d_state * n_v:
+        raise GGUFError(f"qwen35: qwen35.ssm.inner_size = {kv['ssm.inner_size']}, expected ssm.state_size * "
+                        f"ssm.time_step_rank = {d_state * n_v} (head_v_dim = head_k_dim)")
+    attn, interval = _qwen35_attn_layers(kv, n_layer)
+    if not attn:
+        return hp
+    n_head = int(kv["attention.head_count"])
+    hkv = kv.get("attention.head_count_kv", n_head)
+    if not isinstance(hkv, (int, float)):
+        vals = {int(hkv[il]) for il in attn} if len(hkv) == n_layer else None
+        if vals is None or len(vals) != 1:
+            raise GGUFError(f"qwen35: qwen35.attention.head_count_kv {list(hkv)}, expected one value for "
+                            "every attention block")
+        hkv = vals.pop()
+    n_head_kv = int(hkv)
+    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+        raise GGUFError(f"qwen35: qwen35.attention.head_count {n_head} must be a multiple of "
+                        f"attention.head_count_kv {n_head_kv} (both > 0)")
+    d = int(kv.get("attention.key_length", n_embd // n_head))
+    if int(kv.get("attention.value_length", d)) != d:
+        raise GGUFError(f"qwen35: qwen35.attention.value_length = {kv['attention.value_length']}, expected "
+                        f"key_length {d}")
+    n_rot = int(kv.get("rope.dimension_count", d))
+    if n_rot % 2 or not 0 < n_rot <= d:
+        raise GGUFError(f"qwen35: qwen35.rope.dimension_count = {n_rot}, expected even and in (0, key_length {d}]")
+    sections = [int(x) for x in kv.get("rope.dimension_sections", [])]
+    if len(sections) < 4 or any(x < 0 for x in sections):
+        raise GGUFError(f"qwen35: qwen35.rope.dimension_sections = {sections}, expected 4 entries >= 0")
+    if float(kv.get("attention.scale", 0.0)) != 0.0:
+        raise GGUFError(f"qwen35: qwen35.attention.scale = {kv['attention.scale']}, expected 0 "
+                        "(models.delta_net scales by 1/sqrt(key_length))")
+    hp.update(full_attention_interval=interval, n_head=n_head, n_head_kv=n_head_kv, attn_head_dim=d,
+              n_rot=n_rot, rope_sections=sections[:4], rope_freq_base=float(kv.get("rope.freq_base", 10000.0)))
+    return hp
 
 
 ARCH_META = {

@@ -9,6 +9,7 @@ import minigraph as mg
 MODELS = {
     "mamba2": ("minigraph.models.mamba2", "Mamba2Model"),
     "delta-net": ("minigraph.models.delta_net", "DeltaNetModel"),
+    "delta-net-hybrid": ("minigraph.models.delta_net", "DeltaNetHybridModel"),   # qwen35 with gated attention blocks
     "lfm": ("minigraph.models.lfm", "LFM2Model"),
     "lfm-hybrid": ("minigraph.models.lfm", "LFM2HybridModel"),   # lfm2 with attention blocks (KV cache)
     "kda": ("minigraph.models.kda", "KDAModel"),

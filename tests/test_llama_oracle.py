@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.models.delta_net import DeltaNetModel
+from minigraph.models.delta_net import DeltaNetHybridModel, DeltaNetModel
 from minigraph.models.gguf_io import load_gguf, save_gguf
 from minigraph.models.kda import KDAModel
 from minigraph.models.lfm import LFM2Model
@@ -87,6 +87,8 @@ MAKERS = {
     "mamba2": mamba2,
     "lfm2": lambda dev: LFM2Model(n_vocab=48, devices=dev, seed=5),
     "qwen35": lambda dev: DeltaNetModel(n_vocab=48, devices=dev, seed=5),
+    # qwen35 with llama.cpp's layout (every 4th block gated attention): llama.cpp runs it
+    "qwen35-hybrid": lambda dev: DeltaNetHybridModel(n_vocab=48, devices=dev, seed=5),
     "kimi-linear": lambda dev: KDAModel(n_vocab=48, devices=dev, seed=5),
 }
 
@@ -212,12 +214,13 @@ def test_mamba2_same_file_same_logits_as_the_model_in_memory(files, tmp_path):
 KNOWN_ABORT = "GGML_ASSERT(buffer)"
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "kimi-linear"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35-hybrid", "kimi-linear"])
 def test_other_archs(files, arch):
-    """minigraph writes these archs with no attention layer at all; llama.cpp builds them as
-    hybrid models and its attention KV cache then has no buffer: GGML_ASSERT(buffer) in
-    llama_kv_cache::set_input_k_idxs, an abort. That is an expected failure until minigraph's
-    hybrid models write attention layers; if llama.cpp runs the file, compare it like mamba2."""
+    """minigraph writes lfm2, qwen35 and kimi-linear by default with no attention layer at all;
+    llama.cpp builds them as hybrid models and its attention KV cache then has no buffer:
+    GGML_ASSERT(buffer) in llama_kv_cache::set_input_k_idxs, an abort. That is an expected
+    failure; a file with attention layers (qwen35-hybrid) runs and is compared like mamba2
+    (tests/test_llama_oracle_qwen35.py and test_llama_oracle_lfm2.py compare the hybrids fully)."""
     path = files[arch]
     p = lo.probe(path, n_ubatch=N_UBATCH, n_threads=1)
     if not p.ok:

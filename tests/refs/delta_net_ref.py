@@ -9,7 +9,7 @@ Per token (x_t = input of the block):
   qkv    = attn_qkv @ u;  z = attn_gate @ u
   beta   = sigmoid(ssm_beta @ u);  g = softplus(ssm_alpha @ u + dt_bias) * A     (A < 0)
   win    = [W; qkv];  c = silu(sum_k win[k] * conv1d[:, k]);  W <- win[1:]
-  q, k   = per k head, x / max(||x||, eps) (ggml_l2_norm);  v per v head
+  q, k   = per k head, x / sqrt(sum x^2 + eps) (llama.cpp's delta-net l2 norm);  v per v head
   for v head h (k head h % H_k):
     S[h]  *= exp(g[h])
     delta  = (v[h] - S[h]^T k) * beta[h]
@@ -30,7 +30,7 @@ from . import SeqRef, weights_of, rms_norm, sigmoid, silu, softplus
 
 
 def l2_normalize(x, eps):
-    return x / max(np.sqrt(np.sum(x * x)), eps)
+    return x / np.sqrt(np.sum(x * x) + eps)
 
 
 class DeltaNetRef(SeqRef):
