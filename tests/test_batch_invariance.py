@@ -342,8 +342,8 @@ def _check_seq_grid(name, step):
         cpu.lib.mg_set_chunking(-1, -1)
 
 
-def test_ssm_conv_grid_up_to_64_tokens_and_3_sequences():
-    d_inner, d_conv = 37, 4
+@pytest.mark.parametrize("d_inner,d_conv", [(37, 4), (64, 4), (21, 3)])   # 64: blocks start on output lines
+def test_ssm_conv_grid_up_to_64_tokens_and_3_sequences(d_inner, d_conv):
     rng = np.random.default_rng(5)
     xs = rng.uniform(-1, 1, (N_SEQ, d_inner, d_conv - 1 + POOL_T)).astype(np.float32)
     c = rng.uniform(-1, 1, (d_inner, d_conv)).astype(np.float32)
