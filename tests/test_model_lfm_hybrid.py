@@ -260,6 +260,21 @@ def test_cli_runs_the_hybrid_and_passes_its_state_check(name):
     assert out["state_check"] == "pass" and out["rollbacks"] > 0
 
 
+def test_cli_placement_and_reuse_of_the_default_lfm():
+    """placement over two CPUs shows the attention block's K/V stores in a split of its layer's
+    device (block 1 of 3 on cpu:0); reuse's validator passes."""
+    p = cli("placement", "lfm", "--devices", "cpu:0,cpu:1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    splits = [line for line in p.stdout.splitlines() if line.startswith("## SPLIT")]
+    kv_split = next(i for i, line in enumerate(p.stdout.splitlines()) if "cache_k_l1_store" in line)
+    header = max(i for i, line in enumerate(p.stdout.splitlines()[:kv_split]) if line.startswith("## SPLIT"))
+    assert splits and ": cpu:0 #" in p.stdout.splitlines()[header]
+    assert "cache_v_l1_store" in p.stdout.splitlines()[kv_split]
+    p = cli("reuse", "lfm")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "validator: pass" in p.stdout
+
+
 @pytest.mark.parametrize("pattern", ["conv-attn-conv", "attn-first"])
 def test_cli_runs_a_hybrid_gguf_file(tmp_path, pattern):
     path = save_gguf(model(mg.backend("cpu"), PATTERNS[pattern]), tmp_path / "h.gguf")
