@@ -232,8 +232,8 @@ def test_other_archs(files, arch):
             pytest.xfail(f"llama.cpp aborts on minigraph's {arch} file (no attention layer): {p.message}")
         pytest.fail(f"llama.cpp cannot run minigraph's {arch} file: {p.message}")
     with oracle(path, n_seq_max=2) as ll:
-        c = Compare(arch, "prefill, decode, two sequences", runner(path, mem_size=2), ll,
-                    BOUND_F16_KV if has_attn else BOUND)
+        scenario = "prefill, decode, two sequences" + (f" (f16 kv: bound {BOUND_F16_KV:g})" if has_attn else "")
+        c = Compare(arch, scenario, runner(path, mem_size=2), ll, BOUND_F16_KV if has_attn else BOUND)
         c.decode({0: PROMPT}, "prefill")
         c.decode({0: [4]}, "decode")
         c.decode({0: [5], 1: [6, 7]}, "two sequences")
