@@ -84,10 +84,12 @@ def build_attn_block(g, inp_attn, inp_pos: mg.Tensor, w: dict, cur: mg.Tensor, i
 class LFM2Model(RecurrentModel):
     """A tiny LFM2 with seeded random weights.
 
-    Defaults: d_model 64, 2 blocks, vocab 64, kernel L = 3 (2 history columns), FFN 128:
-    n_embd_r = 128 per conv layer, no s state. head_count_kv: llama.cpp's per-layer array
-    (0 = short-conv block, > 0 = attention block with that many K/V heads); None: every block
-    short-conv (LFM2HybridModel's default is llama.cpp's hybrid layout). head_dim = n_embd / n_head.
+    Defaults: d_model 64, 3 blocks (conv, attention, conv: llama.cpp's hybrid layout, as every
+    llama.cpp LFM2 file has), vocab 64, kernel L = 3 (2 history columns), FFN 128, 4 query heads
+    sharing 2 K/V heads (GQA): n_embd_r = 128 per conv layer, no s state. head_count_kv:
+    llama.cpp's per-layer array (0 = short-conv block, > 0 = attention block with that many K/V
+    heads); None: default_head_count_kv(n_layer, n_head_kv); all zeros: a conv-only LFM2 (which
+    llama.cpp refuses). head_dim = n_embd / n_head.
     `hparams` holds the constructor's structural arguments (what models.gguf_io writes and reads
     back); `gguf_tensors()` the weights by GGUF name."""
 
@@ -95,15 +97,19 @@ class LFM2Model(RecurrentModel):
     residual_first = True                    # llama.cpp's lfm2: add(prev_cur, cur)
     layer_output_names = ("mixer", "l_out")
 
-    def __init__(self, n_vocab=64, n_embd=64, n_layer=2, l_cache=3, n_ff=128, n_head=4, eps=1e-5,
+    DEFAULT_N_LAYER = 3
+
+    def __init__(self, n_vocab=64, n_embd=64, n_layer=3, l_cache=3, n_ff=128, n_head=4, eps=1e-5,
                  n_ctx_train=4096, head_count_kv=None, rope_freq_base=1e6, devices=None, seed=0,
-                 layer_outputs=False):
+                 layer_outputs=False, n_head_kv=2):
         """devices: None (everything on cpu), one backend, or a list with one backend per layer;
         the embedding, final norm and output head live on the last device (the host).
         layer_outputs: also return each block's mixer output 'mixer.{il}' and block output
         'l_out.{il}' ([n_embd, n_tokens]; tests)."""
         if l_cache < 2:
             raise ValueError(f"lfm2: shortconv.l_cache must be > 1, got {l_cache}")
+        if head_count_kv is None:
+            head_count_kv = default_head_count_kv(n_layer, n_head_kv)
         head_count_kv = self._check_heads(n_embd, n_layer, n_head, head_count_kv)
         super().__init__(dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, l_cache=l_cache,
                               n_ff=n_ff, n_head=n_head, eps=float(eps), n_ctx_train=n_ctx_train,
@@ -193,16 +199,5 @@ class LFM2Model(RecurrentModel):
                                 self.n_ctx_train)
 
 
-class LFM2HybridModel(LFM2Model):
-    """LFM2 with llama.cpp's hybrid layout by default: 3 blocks (conv, attention, conv), 4 query
-    heads sharing 2 K/V heads (GQA), rope base 1e6. Any head_count_kv array may be given."""
-
-    DEFAULT_N_LAYER = 3
-
-    def __init__(self, n_layer=3, n_head=4, head_count_kv=None, n_head_kv=2, **kw):
-        if head_count_kv is None:
-            head_count_kv = default_head_count_kv(n_layer, n_head_kv)
-        super().__init__(n_layer=n_layer, n_head=n_head, head_count_kv=head_count_kv, **kw)
-
-
+LFM2HybridModel = LFM2Model        # the former name of the hybrid default (zoo alias lfm-hybrid)
 LfmModel = LFM2Model

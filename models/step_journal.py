@@ -9,9 +9,10 @@ does that at a cost that grows with mem_size and n_rs_seq; the journal instead c
   the ubatch's cells and their rollback planes), one contiguous byte span per coalesced row range
   per r/s tensor, through the backend's get_bytes (host, cuda and meta devices alike).
 
-A hybrid memory (models/hybrid_memory.py) names byte spans instead (`byte_spans_written_by`): the
+A hybrid memory (models/hybrid_memory.py) names byte spans (`byte_spans_written_by`): the
 recurrent rows as above, plus the K rows of the ubatch's KV cells and, in the transposed V, those
-cells in every channel row; its metadata copy holds both memories' cells.
+cells in every channel row; its metadata copy holds both memories' cells. `spans_written_by`
+gives either memory's set as byte spans, the one form the journal (and the tests) use.
 
 On failure the saved spans are written back newest first, so a row written by several ubatches of
 the step ends with the copy taken before the first of them: the value it had before the step.
@@ -27,39 +28,52 @@ from .batch import Ubatch
 from .memory import RecurrentMemory
 
 
+def spans_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int]]:
+    """(tensor, byte offset, nbytes) of everything the graph of `ub` (just placed by find_slot)
+    may write, for either memory: a hybrid memory names its spans (byte_spans_written_by), a
+    recurrent memory its rows (rows_written_by), here one span per coalesced row range per r/s
+    tensor. The journal copies exactly these; tests spy on this one function for both kinds."""
+    if hasattr(memory, "byte_spans_written_by"):
+        return memory.byte_spans_written_by(ub)
+    rows = memory.rows_written_by(ub)
+    return [(t, row0 * t.nb[1], count * t.nb[1]) for t in memory.tensors() for row0, count in rows]
+
+
+def read_span(memory, t, offs: int, n: int) -> np.ndarray:
+    """Raw bytes [offs, offs+n) of a cache tensor of either memory."""
+    if hasattr(memory, "read_span"):
+        return memory.read_span(t, offs, n)
+    return memory.read_row_bytes(t, offs // t.nb[1], n // t.nb[1])
+
+
+def write_span(memory, t, offs: int, data: np.ndarray):
+    """Put raw bytes (from read_span) back at offs."""
+    if hasattr(memory, "write_span"):
+        memory.write_span(t, offs, data)
+    else:
+        memory.write_row_bytes(t, offs // t.nb[1], data)
+
+
 class StepJournal:
-    """Undo journal of one step: cell metadata plus the row spans each ubatch may write."""
+    """Undo journal of one step: cell metadata plus the byte spans each ubatch may write."""
 
     def __init__(self, memory: RecurrentMemory):
         self.memory = memory
         self.meta = memory.meta_copy()
-        self.spans: list[tuple[object, int, np.ndarray]] = []     # (tensor, row0, raw bytes)
-        self.byte_spans: list[tuple[object, int, np.ndarray]] = []   # (tensor, byte offset, raw bytes)
+        self.spans: list[tuple[object, int, np.ndarray]] = []     # (tensor, byte offset, raw bytes)
         self.nbytes = 0                                           # state bytes copied so far
 
     def before_ubatch(self, ub: Ubatch):
-        """Save the rows the graph of `ub` (just placed by find_slot) may write."""
-        mem = self.memory
-        if hasattr(mem, "byte_spans_written_by"):
-            # a memory with other layouts (the hybrid's KV cache: transposed V) names byte spans
-            for t, offs, n in mem.byte_spans_written_by(ub):
-                data = mem.read_span(t, offs, n)
-                self.byte_spans.append((t, offs, data))
-                self.nbytes += data.size
-            return
-        rows = mem.rows_written_by(ub)
-        for t in mem.tensors():
-            for row0, count in rows:
-                data = mem.read_row_bytes(t, row0, count)
-                self.spans.append((t, row0, data))
-                self.nbytes += data.size
+        """Save the spans the graph of `ub` (just placed by find_slot) may write."""
+        for t, offs, n in spans_written_by(self.memory, ub):
+            data = read_span(self.memory, t, offs, n)
+            self.spans.append((t, offs, data))
+            self.nbytes += data.size
 
     def undo(self):
-        """Put back every saved row, newest first, then the metadata of the step's start."""
-        for t, offs, data in reversed(self.byte_spans):
-            self.memory.write_span(t, offs, data)
-        for t, row0, data in reversed(self.spans):
-            self.memory.write_row_bytes(t, row0, data)
+        """Put back every saved span, newest first, then the metadata of the step's start."""
+        for t, offs, data in reversed(self.spans):
+            write_span(self.memory, t, offs, data)
         self.memory.restore_meta(self.meta)
 
 

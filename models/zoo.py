@@ -10,8 +10,8 @@ MODELS = {
     "mamba2": ("minigraph.models.mamba2", "Mamba2Model"),
     "delta-net": ("minigraph.models.delta_net", "DeltaNetModel"),
     "delta-net-hybrid": ("minigraph.models.delta_net", "DeltaNetHybridModel"),   # qwen35 with gated attention blocks
-    "lfm": ("minigraph.models.lfm", "LFM2Model"),
-    "lfm-hybrid": ("minigraph.models.lfm", "LFM2HybridModel"),   # lfm2 with attention blocks (KV cache)
+    "lfm": ("minigraph.models.lfm", "LFM2Model"),   # short conv + attention blocks (KV cache), as llama.cpp's files
+    "lfm-hybrid": ("minigraph.models.lfm", "LFM2Model"),   # alias of lfm (its former hybrid name)
     "kda": ("minigraph.models.kda", "KDAModel"),
     "toy": ("minigraph.models.toy", "ToyConvModel"),
     "toy-tp": ("minigraph.models.toy_tp", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device

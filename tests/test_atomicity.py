@@ -5,18 +5,29 @@ graph after every layer wrote its state, a compute that writes garbage into the 
 raises (RuntimeError or KeyboardInterrupt) — leaves every cell's metadata and every byte of the
 whole cache as they were before the step, for single-ubatch decodes, multi-ubatch batches (a
 failure in the 2nd ubatch undoes the 1st: nothing of the step remains) and speculative steps with
-rollback planes. The journal copies only the rows the step's ubatches may write: that set covers
-every byte a real step changes, and its size does not grow with mem_size."""
+rollback planes. The journal copies only the spans the step's ubatches may write: that set covers
+every byte a real step changes, and its size does not grow with mem_size.
+
+Every scenario also runs on hybrid models (HybridMemory: a KV cache for the attention blocks):
+`lfm` (LFM2 as llama.cpp's files are, short conv + attention; `lfm-hybrid` is its alias) and
+`toy-hybrid`; `lfm-conv` is the conv-only LFM2 (head_count_kv all zeros). There a failed step
+also leaves the KV cells, and every K/V byte, as they were."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 import minigraph as mg
+from minigraph.models import step_journal
+from minigraph.models.batch import Ubatch
 from minigraph.models.graph import GraphInput
+from minigraph.models.kv_cache import KVCells
 from minigraph.models.memory import coalesce_rows
 from minigraph.models.runner import DecodeError, Runner, atomic_mode
 from minigraph.models.zoo import make_model
 
-MODELS = ("toy", "mamba2", "delta-net", "lfm", "kda")
+MODELS = ("toy", "mamba2", "delta-net", "lfm", "lfm-conv", "kda", "toy-hybrid")
+HYBRIDS = ("lfm", "toy-hybrid")
 DEVICES = ("ref", "cpu")
 
 
@@ -24,8 +35,15 @@ class Injected(RuntimeError):
     """The failure the tests inject."""
 
 
+def zoo_model(name, devices):
+    """A zoo model; "lfm-conv": LFM2 with short-conv blocks only."""
+    if name == "lfm-conv":
+        return make_model("lfm", devices, head_count_kv=[0, 0, 0])
+    return make_model(name, devices)
+
+
 def make_runner(name, device, model=None, **kw):
-    model = model or make_model(name, [mg.backend(device)])
+    model = model or zoo_model(name, [mg.backend(device)])
     kw.setdefault("mem_size", 4)
     kw.setdefault("n_rs_seq", 2)
     kw.setdefault("n_ubatch", 8)
@@ -33,10 +51,29 @@ def make_runner(name, device, model=None, **kw):
 
 
 def whole_memory(r):
-    """Every observable of the memory: metadata (cells, head, n, used, rs_z, rs_idx, n_last)
-    and the raw bytes of every r/s tensor, plus the printed cell table."""
+    """Every observable of the memory: metadata (cells, head, n, used, rs_z, rs_idx, n_last; a
+    hybrid's KV cells too) and the raw bytes of every r/s (and K/V) tensor, plus the printed
+    cell table."""
     m = r.memory
-    return m.meta_copy(), {t.name: t.numpy().tobytes() for t in m.tensors()}, str(m)
+    return comparable(m.meta_copy()), {t.name: t.numpy().tobytes() for t in m.tensors()}, str(m)
+
+
+def comparable(meta):
+    """The metadata with a hybrid's KV cell table (KVCells, no __eq__) as a dict of its fields, and
+    the KV cache's last placed Ubatch (numpy fields) as a dict of plain values."""
+    if isinstance(meta, KVCells):
+        return vars(meta)
+    if isinstance(meta, Ubatch):
+        return {f.name: comparable(getattr(meta, f.name)) for f in dataclasses.fields(meta)}
+    if isinstance(meta, np.ndarray):
+        return (meta.dtype.str, meta.shape, meta.tolist())
+    if isinstance(meta, list):
+        return [comparable(v) for v in meta]
+    if isinstance(meta, dict):
+        return {k: comparable(v) for k, v in meta.items()}
+    if isinstance(meta, tuple):
+        return tuple(comparable(v) for v in meta)
+    return meta
 
 
 def assert_same_memory(got, want):
@@ -57,17 +94,17 @@ def prime(r):
 
 class ComputeFails:
     """Scheduler.graph_compute patched: the `fail_at`-th compute (0-based) of the runner runs the
-    real graph, then writes garbage into every row its ubatch may write, then raises."""
+    real graph, then writes garbage into every span its ubatch may write, then raises."""
 
     def __init__(self, monkeypatch, runner, fail_at=0, exc=Injected):
         self.calls, self.fail_at, self.exc, self.runner = 0, fail_at, exc, runner
-        self.last_rows = None
-        real_rows = runner.memory.rows_written_by
+        self.last_spans = None
+        real_spans = step_journal.spans_written_by
 
-        def spy_rows(ub):
-            self.last_rows = real_rows(ub)
-            return self.last_rows
-        monkeypatch.setattr(runner.memory, "rows_written_by", spy_rows)
+        def spy_spans(memory, ub):
+            self.last_spans = real_spans(memory, ub)
+            return self.last_spans
+        monkeypatch.setattr(step_journal, "spans_written_by", spy_spans)
         real = mg.Scheduler.graph_compute
         hook = self
 
@@ -83,10 +120,8 @@ class ComputeFails:
     def scribble(self):
         mem = self.runner.memory
         rng = np.random.default_rng(self.calls)
-        for t in mem.tensors():
-            for row0, count in self.last_rows:
-                junk = rng.integers(0, 256, count * t.nb[1], dtype=np.uint8)
-                mem.write_row_bytes(t, row0, junk)
+        for t, offs, n in self.last_spans:
+            step_journal.write_span(mem, t, offs, rng.integers(0, 256, n, dtype=np.uint8))
 
 
 def fail_at_graph_end(model, fail):
@@ -169,13 +204,13 @@ def test_bad_token_id_changes_nothing(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["toy", "mamba2", "kda"])
+@pytest.mark.parametrize("name", ["toy", "mamba2", "kda", *HYBRIDS])
 def test_index_error_after_the_state_writes_is_undone(name, device):
     """The bad index sits after every layer's state store: without atomicity the failed step
     leaves written states behind (so the check below is not vacuous); with it, nothing."""
     armed = [False]
     for atomic in (False, True):
-        model = fail_at_graph_end(make_model(name, [mg.backend(device)]), lambda: armed[0])
+        model = fail_at_graph_end(zoo_model(name, [mg.backend(device)]), lambda: armed[0])
         r = make_runner(name, device, model=model, atomic=atomic)
         armed[0] = False
         prime(r)
@@ -191,7 +226,7 @@ def test_index_error_after_the_state_writes_is_undone(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["toy", "delta-net", "lfm"])
+@pytest.mark.parametrize("name", ["toy", "delta-net", "lfm", "lfm-conv", "toy-hybrid"])
 def test_failed_speculative_step_keeps_rollback_planes(monkeypatch, name, device):
     """n_rs_seq 3: a draft of 3 tokens writes three rollback planes per cell; the failure leaves
     the planes, the pending rollback (rs_idx) and n_last as they were, and the next speculative
@@ -259,31 +294,35 @@ SCRIPT = [{0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10], 2: [11, 12]},    # prefill: 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-def test_rows_written_by_cover_every_byte_a_step_changes(monkeypatch, name, device):
-    """The journal's row set is not a guess: across prefills, decodes, a pending rollback, cells
-    spread over the range (tail copies) and a new sequence, every byte a real step changes lies
-    in a row rows_written_by named for that step's ubatches."""
+def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, device):
+    """The journal's span set is not a guess: across prefills, decodes, a pending rollback, cells
+    spread over the range (tail copies) and a new sequence, every byte a real step changes (r/s
+    rows, and a hybrid's K rows and transposed V cells) lies in a span spans_written_by named for
+    that step's ubatches."""
     r = make_runner(name, device, n_rs_seq=2, n_ubatch=64)
     named = []
-    real_rows = r.memory.rows_written_by
-    monkeypatch.setattr(r.memory, "rows_written_by", lambda ub: named.extend(real_rows(ub)) or real_rows(ub))
+    real_spans = step_journal.spans_written_by
+    monkeypatch.setattr(step_journal, "spans_written_by",
+                        lambda mem, ub: named.extend(real_spans(mem, ub)) or real_spans(mem, ub))
+    rec = getattr(r.memory, "recurrent", r.memory)
     n_range_wider_than_ubatch = 0
     for step in SCRIPT:
         if isinstance(step, tuple):
             op, seq, *k = step
             assert r.rollback(seq, *k) if op == "rollback" else r.memory.seq_rm(seq, -1, -1)
             continue
-        before = {t.name: t.numpy().copy() for t in r.memory.tensors()}
+        before = {t.name: t.numpy().tobytes() for t in r.memory.tensors()}
         named.clear()
         r.decode_seq_tokens(step)
-        n_range_wider_than_ubatch += r.memory.n > len(step)
-        allowed = np.zeros(r.memory.size * r.memory.K, bool)
-        for row0, count in named:
-            allowed[row0:row0 + count] = True
+        n_range_wider_than_ubatch += rec.n > len(step)
+        allowed = {t.name: np.zeros(t.nbytes(), bool) for t in r.memory.tensors()}
+        for t, offs, n in named:
+            allowed[t.name][offs:offs + n] = True
         for t in r.memory.tensors():
-            changed = np.any(before[t.name] != t.numpy(), axis=1)
-            outside = np.flatnonzero(changed & ~allowed)
-            assert not outside.size, f"{t.name}: step {step} changed rows {outside} outside {named}"
+            old = np.frombuffer(before[t.name], np.uint8)
+            changed = old != np.frombuffer(t.numpy().tobytes(), np.uint8)
+            outside = np.flatnonzero(changed & ~allowed[t.name])
+            assert not outside.size, f"{t.name}: step {step} changed bytes {outside[:8]} outside the named spans"
     assert n_range_wider_than_ubatch                     # the tail-copy case was exercised
 
 
@@ -305,6 +344,27 @@ def test_snapshot_bytes_follow_the_ubatch_not_mem_size(name):
             cache_bytes = sum(t.nbytes() for t in r.memory.tensors())
     assert per_step["rows", 4] == per_step["rows", 64] == 2 * row_bytes
     assert per_step["full", 64] == cache_bytes == 16 * per_step["full", 4]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_snapshot_bytes_follow_the_ubatch_not_the_cache_sizes(name):
+    """A hybrid's journal copies, per 1-token decode of 2 sequences, the 2 recurrent cells' rows
+    plus 2 KV cells (their K rows and their V entries in every channel row): the same bytes at
+    mem_size 4 and 64 and kv_size 64 and 1024, while the whole-cache copy grows with both."""
+    per_step = {}
+    for mode in ("rows", "full"):
+        for size, kv_size in ((4, 64), (64, 1024)):
+            r = make_runner(name, "ref", mem_size=size, n_rs_seq=3, atomic=mode, kv_size=kv_size)
+            r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+            b0, s0 = r.stats.snapshot_bytes, r.stats.steps
+            for tok in range(3):
+                r.decode_seq_tokens({0: [tok], 1: [tok + 1]})
+            per_step[mode, size] = (r.stats.snapshot_bytes - b0) / (r.stats.steps - s0)
+            rec, kv = r.memory.recurrent, r.memory.kv
+            row_bytes = sum(t.nb[1] for t in rec.tensors())
+            kv_cell_bytes = sum(t.nbytes() // kv.size for t in kv.tensors())
+    assert per_step["rows", 4] == per_step["rows", 64] == 2 * row_bytes + 2 * kv_cell_bytes
+    assert per_step["full", 64] > 10 * per_step["full", 4]
 
 
 def test_atomic_off_copies_nothing_and_bad_modes_are_named():

@@ -28,7 +28,9 @@ def one_cpu_thread():
 
 
 # vocab != d_model so that a transposed matrix cannot pass for the right one
-LFM_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, l_cache=3, n_ff=96)
+# lfm2 conv-only (head_count_kv zeros; LFM2Model's default has an attention block, whose files
+# tests/test_model_lfm_hybrid.py round-trips)
+LFM_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, l_cache=3, n_ff=96, head_count_kv=[0, 0])
 KDA_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96)
 STREAM = [{0: [1, 2, 3, 4, 5]}, {0: [6]}, {0: [7, 8], 1: [9, 10]}, {0: [11], 1: [12]}]
 

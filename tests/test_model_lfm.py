@@ -1,4 +1,4 @@
-"""LFM2 short-conv model (models/lfm.py) against the independent sequential reference
+"""LFM2 short-conv model (models/lfm.py, conv-only: head_count_kv all zeros) against the independent sequential reference
 (tests/refs/lfm_ref.py): logits, every block's mixer output and every written rollback slot of the
 r cache, for prefill, token-by-token decode, two-sequence ubatches, split batches and
 n_rs_seq in {0, 1, 3}, on `ref` and `cpu`; rollback integrity (one device, and layers split over
@@ -160,7 +160,11 @@ CFG = dict(n_vocab=64, n_embd=64, n_layer=2, l_cache=3, n_ff=96)
 
 
 def lfm(devices, seed=0, **kw):
-    return LFM2Model(**{**CFG, **kw}, devices=devices, seed=seed, layer_outputs=True)
+    """A conv-only LFM2 (head_count_kv all zeros: LFM2Model's default has attention blocks,
+    tested in tests/test_model_lfm_hybrid.py), what the short-conv reference computes."""
+    kw = {**CFG, **kw}
+    kw.setdefault("head_count_kv", [0] * kw["n_layer"])
+    return LFM2Model(**kw, devices=devices, seed=seed, layer_outputs=True)
 
 
 def lfm_ref(model):

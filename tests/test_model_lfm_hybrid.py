@@ -14,6 +14,7 @@ import minigraph as mg
 from minigraph.models.gguf_io import GGUFError, load_gguf, read_metadata, save_gguf
 from minigraph.models.hybrid_memory import HybridMemory
 from minigraph.models.lfm import LFM2HybridModel, LFM2Model
+from minigraph.models import zoo
 from minigraph.models.runner import Runner
 
 from refs import check
@@ -55,10 +56,18 @@ def test_attention_layers_follow_head_count_kv_and_get_a_hybrid_memory():
     assert r.memory.kv.layers == [0, 3] and r.memory.recurrent.layers == [1, 2]
 
 
-def test_default_hybrid_has_llama_cpp_style_attention_blocks():
-    m = LFM2HybridModel(n_layer=6)
+def test_default_lfm_has_llama_cpp_style_attention_blocks():
+    """LFM2Model's default is llama.cpp's hybrid layout (every llama.cpp LFM2 file has attention
+    blocks); LFM2HybridModel and the zoo's lfm-hybrid are aliases; a conv-only LFM2 is an explicit
+    head_count_kv of zeros."""
+    m = LFM2Model(n_layer=6)
     assert m.head_count_kv == [0, 2, 0, 0, 2, 0] and m.attn_layers == (1, 4)
-    assert LFM2Model().attn_layers == ()
+    d = LFM2Model()
+    assert d.n_layer == 3 and d.head_count_kv == [0, 2, 0] and d.attn_layers == (1,)
+    assert LFM2HybridModel is LFM2Model
+    assert zoo.model_class("lfm") is zoo.model_class("lfm-hybrid") is LFM2Model
+    assert isinstance(Runner(zoo.make_model("lfm", [mg.backend("ref")])).memory, HybridMemory)
+    assert LFM2Model(head_count_kv=[0, 0, 0]).attn_layers == ()
 
 
 @pytest.mark.parametrize("device", ["ref", "cpu"])
@@ -243,11 +252,27 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "minigraph", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_runs_the_hybrid_and_passes_its_state_check():
-    p = cli("run", "lfm-hybrid", "--steps", "12", "--n-rs-seq", "3", "--draft", "4", "--json")
+@pytest.mark.parametrize("name", ["lfm", "lfm-hybrid"])
+def test_cli_runs_the_hybrid_and_passes_its_state_check(name):
+    p = cli("run", name, "--steps", "12", "--n-rs-seq", "3", "--draft", "4", "--json")
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads(p.stdout)
     assert out["state_check"] == "pass" and out["rollbacks"] > 0
+
+
+def test_cli_placement_and_reuse_of_the_default_lfm():
+    """placement over two CPUs shows the attention block's K/V stores in a split of its layer's
+    device (block 1 of 3 on cpu:0); reuse's validator passes."""
+    p = cli("placement", "lfm", "--devices", "cpu:0,cpu:1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    splits = [line for line in p.stdout.splitlines() if line.startswith("## SPLIT")]
+    kv_split = next(i for i, line in enumerate(p.stdout.splitlines()) if "cache_k_l1_store" in line)
+    header = max(i for i, line in enumerate(p.stdout.splitlines()[:kv_split]) if line.startswith("## SPLIT"))
+    assert splits and ": cpu:0 #" in p.stdout.splitlines()[header]
+    assert "cache_v_l1_store" in p.stdout.splitlines()[kv_split]
+    p = cli("reuse", "lfm")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "validator: pass" in p.stdout
 
 
 @pytest.mark.parametrize("pattern", ["conv-attn-conv", "attn-first"])
