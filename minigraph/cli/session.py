@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from minigraph.models.zoo import MODELS
+
 from .args import byte_size, int_at_least
 from .errors import fail
 
-MODEL_HELP = ("a zoo model: mamba2, delta-net, lfm, kda, toy or toy-tp; optional with --gguf "
+ZOO_NAMES = ", ".join(MODELS)   # the zoo is the one list of model names
+MODEL_HELP = (f"a zoo model ({ZOO_NAMES}); optional with --gguf "
               "(the file says which model it is; a name given must be the file's)")
 
 
@@ -45,7 +48,7 @@ def _check_model_flags(args) -> None:
         if args.seed is not None:
             fail("--seed: not allowed with --gguf (the file holds the weights; the token stream uses seed 0)")
     elif args.model is None:
-        fail("MODEL is missing: name one of mamba2, delta-net, lfm, kda, toy, toy-tp, or give --gguf FILE")
+        fail(f"MODEL is missing: name one of {ZOO_NAMES}, or give --gguf FILE")
 
 
 def _probe_maker(args):
