@@ -11,26 +11,20 @@ the harness in a worker of its own that sets type_k / type_v; the default-f16 co
 (BOUND_F16: K and V rounded to 11 significant bits) goes through LlamaOracleProcess as is.
 
 Not installed: the module skips, saying how to install and run it."""
-import json
-import pickle
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.models.gguf_io import load_gguf, save_gguf
+from minigraph.models.gguf_io import save_gguf
 from minigraph.models.lfm import LFM2Model
-from minigraph.models.runner import Runner
 from minigraph.testing import llama_oracle as lo
+
+from llama_hybrid_compare import N_UBATCH, compare, llama_f16, llama_f32, minigraph_side
 
 pytestmark = pytest.mark.llama
 
 BOUND = 1e-5            # f32 KV cache on both sides: max |minigraph - llama.cpp| / max |llama.cpp| per call
 BOUND_F16 = 2e-3        # llama.cpp's default f16 KV cache
-N_UBATCH = 8
-N_RS_SEQ = 3
 PROMPT = [3, 17, 5, 40, 11, 2, 29, 8, 33, 14, 6]       # 11 tokens: ubatches of 8 and 3
 PATTERNS = {"llama.cpp-like": [0, 2, 0, 0, 2, 0], "attn-first": [2, 0, 0, 2], "mqa-last": [0, 0, 1]}
 # (name, n_seq_max, calls): ("decode", {seq: tokens}) or ("draft", seq, draft, n_accept)
@@ -70,88 +64,12 @@ def files(tmp_path_factory):
             for name, p in PATTERNS.items()}
 
 
-def _jsonable(calls):
-    return [[c[0], {str(k): v for k, v in c[1].items()}] if c[0] == "decode" else list(c) for c in calls]
-
-
-# The worker: the harness in a fresh interpreter, with an f32 KV cache (type_k / type_v = GGML_TYPE_F32).
-WORKER = r'''
-import json, pickle, sys
-from minigraph.testing import llama_oracle as lo
-L = lo.llama_cpp()
-default = L.llama_context_default_params
-def f32_kv():
-    cp = default()
-    cp.type_k = cp.type_v = 0
-    return cp
-L.llama_context_default_params = f32_kv
-path, n_seq, n_rs_seq, n_ubatch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-calls = json.loads(sys.stdin.read())
-res = []
-with lo.LlamaOracle(path, n_ubatch=n_ubatch, n_seq_max=n_seq, n_rs_seq=n_rs_seq, n_threads=1) as ll:
-    if ll.n_rs_seq != n_rs_seq:
-        sys.exit(f"llama.cpp gave the context n_rs_seq {ll.n_rs_seq}, asked {n_rs_seq}")
-    for c in calls:
-        if c[0] == "decode":
-            res.append(ll.decode({int(k): v for k, v in c[1].items()}))
-        else:
-            res.append({c[1]: ll.speculative_step(c[1], c[2], c[3])})
-pickle.dump(res, open(out, "wb"))
-'''
-
-
-def llama_f32(path, n_seq, calls, tmp_path):
-    out = tmp_path / "logits.pkl"
-    p = subprocess.run([sys.executable, "-c", WORKER, str(path), str(n_seq), str(N_RS_SEQ), str(N_UBATCH), str(out)],
-                       input=json.dumps(_jsonable(calls)), capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        lines = (p.stderr.strip() or p.stdout.strip() or f"status {p.returncode}").splitlines()
-        pytest.fail(f"llama.cpp's worker failed on {path}: {lines[-1]}")
-    return pickle.loads(out.read_bytes())
-
-
-def llama_f16(path, n_seq, calls):
-    res = []
-    with lo.LlamaOracleProcess(path, n_ubatch=N_UBATCH, n_seq_max=n_seq, n_rs_seq=N_RS_SEQ, n_threads=1) as ll:
-        for c in calls:
-            res.append(ll.decode(c[1]) if c[0] == "decode" else {c[1]: ll.speculative_step(c[1], c[2], c[3])})
-    return res
-
-
-def minigraph_side(path, n_seq, calls):
-    """The same calls in a Runner over the file; a draft returns all its logits (as the harness's
-    speculative_step does), then the rejected tokens are rolled back."""
-    r = Runner(load_gguf(path, devices=mg.backend("cpu")), mem_size=n_seq, n_rs_seq=N_RS_SEQ, n_ubatch=N_UBATCH)
-    res = []
-    for c in calls:
-        if c[0] == "decode":
-            res.append(r.decode_seq_tokens(c[1]))
-        else:
-            _, seq, draft, n_accept = c
-            res.append({seq: r.decode_seq_tokens({seq: draft})[seq]})
-            assert r.rollback(seq, len(draft) - n_accept)
-    return res
-
-
-def compare(key, got, want, bound):
-    worst = 0.0
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert set(g) == set(w), (key, i)
-        for s in w:
-            a, b = np.asarray(g[s], np.float64), np.asarray(w[s], np.float64)
-            assert a.shape == b.shape, (key, i, a.shape, b.shape)
-            e = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-            worst = max(worst, e)
-            assert e <= bound, f"{key}: call {i}, seq {s}: relative error {e:.3g} > {bound}"
-    RESULTS[key] = worst
-
-
 @pytest.mark.parametrize("scenario", [s[0] for s in SCENARIOS])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_hybrid_lfm2_matches_llama_cpp_f32_kv(files, tmp_path, pattern, scenario):
     _, n_seq, calls = next(s for s in SCENARIOS if s[0] == scenario)
     path = files[pattern]
-    compare((pattern, "f32 kv", scenario), minigraph_side(path, n_seq, calls),
+    compare(RESULTS, (pattern, "f32 kv", scenario), minigraph_side(path, n_seq, calls),
             llama_f32(path, n_seq, calls, tmp_path), BOUND)
 
 
@@ -161,7 +79,7 @@ def test_hybrid_lfm2_matches_llama_cpp_default_f16_kv(files, scenario):
     path = files["llama.cpp-like"]
     with lo.LlamaOracleProcess(path, n_ubatch=N_UBATCH, n_threads=1) as ll:
         assert ll.info()["hybrid"]
-    compare(("llama.cpp-like", "f16 kv", scenario), minigraph_side(path, n_seq, calls),
+    compare(RESULTS, ("llama.cpp-like", "f16 kv", scenario), minigraph_side(path, n_seq, calls),
             llama_f16(path, n_seq, calls), BOUND_F16)
 
 
