@@ -13,13 +13,19 @@ def _f32_rows(name, a):
     require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
 
 
-@op("NORM", srcs=("a",), params={"eps": float}, split="per_row",
-    ggml=GgmlCall("norm", ("a", "eps")), cases=cases("rows", eps=1e-5),
-    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row centred and scaled)")
-def _norm_rule(a, eps):
-    _f32_rows("NORM", a)
-    require(eps >= 0, "NORM", f"eps must be >= 0, got {eps}")
-    return Out(f32, a.ne)
+def _scaled_rows_rule(name: str):
+    """The shape rule of NORM and RMS_NORM: f32 rows in, the same extents out, eps >= 0."""
+    def rule(a, eps):
+        _f32_rows(name, a)
+        require(eps >= 0, name, f"eps must be >= 0, got {eps}")
+        return Out(f32, a.ne)
+    return rule
+
+
+op("NORM", srcs=("a",), params={"eps": float}, split="per_row",
+   ggml=GgmlCall("norm", ("a", "eps")), cases=cases("rows", eps=1e-5),
+   shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row centred and scaled)"
+   )(_scaled_rows_rule("NORM"))
 
 
 @reference("NORM")
@@ -43,13 +49,10 @@ def norm(a, eps):
     return build("NORM", a=a, eps=eps)
 
 
-@op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",
-    ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6),
-    shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row of n0 scaled)")
-def _rms_norm_rule(a, eps):
-    _f32_rows("RMS_NORM", a)
-    require(eps >= 0, "RMS_NORM", f"eps must be >= 0, got {eps}")
-    return Out(f32, a.ne)
+op("RMS_NORM", srcs=("a",), params={"eps": float}, split="per_row",
+   ggml=GgmlCall("rms_norm", ("a", "eps")), cases=cases("rows", eps=1e-6),
+   shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] (each row of n0 scaled)"
+   )(_scaled_rows_rule("RMS_NORM"))
 
 
 @reference("RMS_NORM")
