@@ -17,6 +17,35 @@ from minigraph.testing import llama_oracle as lo
 
 N_UBATCH = 8
 N_RS_SEQ = 3
+BOUND = 1e-5            # f32 KV cache on both sides: max |minigraph - llama.cpp| / max |llama.cpp| per call
+BOUND_F16 = 2e-3        # llama.cpp's default f16 KV cache
+PROMPT = [3, 17, 5, 40, 11, 2, 29, 8, 33, 14, 6]       # 11 tokens: ubatches of 8 and 3
+# (name, n_seq_max, calls): ("decode", {seq: tokens}) or ("draft", seq, draft, n_accept)
+SCENARIOS = [
+    ("prefill", 1, [("decode", {0: PROMPT})]),
+    ("decode", 1, [("decode", {0: PROMPT[:5]})] + [("decode", {0: [t]}) for t in [9, 21, 1, 47, 0, 30]]),
+    ("two sequences", 2, [("decode", {0: PROMPT[:6], 1: PROMPT[5:]})]
+     + [("decode", {0: [i + 1], 1: [40 - i]}) for i in range(4)]
+     + [("decode", {1: [7, 8, 9]}), ("decode", {0: [12], 1: [13]})]),
+    ("draft rolled back", 1, [("decode", {0: PROMPT[:6]}), ("draft", 0, [19, 23, 29, 31], 2),
+                              ("decode", {0: [2]}), ("decode", {0: [4]})]),
+]
+
+
+@pytest.fixture(autouse=True)
+def llama_installed():
+    """Imported by the test modules: skips them, saying how to install, without llama.cpp."""
+    if not lo.installed():
+        pytest.skip(lo.not_installed_reason())
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    d = mg.backend("cpu")
+    saved = d.n_threads
+    d.set_n_threads(1)
+    yield
+    d.n_threads = saved
 
 
 def _jsonable(calls):

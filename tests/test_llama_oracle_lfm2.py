@@ -19,40 +19,13 @@ from minigraph.models.gguf_io import save_gguf
 from minigraph.models.lfm import LFM2Model
 from minigraph.testing import llama_oracle as lo
 
-from llama_hybrid_compare import N_UBATCH, compare, llama_f16, llama_f32, minigraph_side
+from llama_hybrid_compare import (BOUND, BOUND_F16, N_UBATCH, SCENARIOS, compare, llama_f16, llama_f32,  # noqa: F401
+                                  llama_installed, minigraph_side, one_cpu_thread)  # (autouse fixtures)
 
 pytestmark = pytest.mark.llama
 
-BOUND = 1e-5            # f32 KV cache on both sides: max |minigraph - llama.cpp| / max |llama.cpp| per call
-BOUND_F16 = 2e-3        # llama.cpp's default f16 KV cache
-PROMPT = [3, 17, 5, 40, 11, 2, 29, 8, 33, 14, 6]       # 11 tokens: ubatches of 8 and 3
 PATTERNS = {"llama.cpp-like": [0, 2, 0, 0, 2, 0], "attn-first": [2, 0, 0, 2], "mqa-last": [0, 0, 1]}
-# (name, n_seq_max, calls): ("decode", {seq: tokens}) or ("draft", seq, draft, n_accept)
-SCENARIOS = [
-    ("prefill", 1, [("decode", {0: PROMPT})]),
-    ("decode", 1, [("decode", {0: PROMPT[:5]})] + [("decode", {0: [t]}) for t in [9, 21, 1, 47, 0, 30]]),
-    ("two sequences", 2, [("decode", {0: PROMPT[:6], 1: PROMPT[5:]})]
-     + [("decode", {0: [i + 1], 1: [40 - i]}) for i in range(4)]
-     + [("decode", {1: [7, 8, 9]}), ("decode", {0: [12], 1: [13]})]),
-    ("draft rolled back", 1, [("decode", {0: PROMPT[:6]}), ("draft", 0, [19, 23, 29, 31], 2),
-                              ("decode", {0: [2]}), ("decode", {0: [4]})]),
-]
 RESULTS: dict = {}      # (pattern, kv type, scenario) -> max relative error
-
-
-@pytest.fixture(autouse=True)
-def llama_installed():
-    if not lo.installed():
-        pytest.skip(lo.not_installed_reason())
-
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    d = mg.backend("cpu")
-    saved = d.n_threads
-    d.set_n_threads(1)
-    yield
-    d.n_threads = saved
 
 
 @pytest.fixture(scope="module")
