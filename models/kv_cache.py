@@ -18,11 +18,13 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 import minigraph as mg
+
+from .layer_caches import alloc_zeroed, check_layers, layer_devices, per_layer
 
 from .batch import Ubatch
 from .memory import StateFileError, coalesce_rows
@@ -113,10 +115,6 @@ class KVSnapshot:
     data: dict = field(default_factory=dict)     # tensor name -> uint8 array
 
 
-def _per_layer(v, il: int) -> int:
-    return int(v(il) if callable(v) else v)
-
-
 class KVCache:
     """llama_kv_cache for the given attention layers.
 
@@ -134,9 +132,7 @@ class KVCache:
 
     def __init__(self, layers: Sequence[int], n_embd_k, n_embd_v, kv_size: int, devices,
                  n_seq_max: int = 1, n_pad: int = 32):
-        self.layers = [int(il) for il in layers]
-        if len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"kv cache: layer list has duplicates: {self.layers}")
+        self.layers = check_layers(layers, "kv cache")
         if int(kv_size) < 1:
             raise ValueError(f"kv cache: kv_size must be >= 1, got {kv_size}")
         if int(n_pad) < 1:
@@ -144,37 +140,22 @@ class KVCache:
         self.size = int(kv_size)
         self.n_seq_max = int(n_seq_max)
         self.n_pad = int(n_pad)
-        self.n_embd_k = {il: _per_layer(n_embd_k, il) for il in self.layers}
-        self.n_embd_v = {il: _per_layer(n_embd_v, il) for il in self.layers}
+        self.n_embd_k = {il: per_layer(n_embd_k, il) for il in self.layers}
+        self.n_embd_v = {il: per_layer(n_embd_v, il) for il in self.layers}
         widths = set(self.n_embd_v.values())
         if len(widths) > 1:
             raise ValueError(f"kv cache: layers have different n_embd_v {sorted(widths)} (rule: the "
                              "shared v_idxs input needs one width)")
         self.n_embd_v_max = max(widths) if widths else 0
-        if isinstance(devices, Mapping):
-            missing = [il for il in self.layers if il not in devices]
-            if missing:
-                raise ValueError(f"kv cache: no device given for layers {missing}")
-            self.devices = {il: devices[il] for il in self.layers}
-        else:
-            self.devices = {il: devices for il in self.layers}
+        self.devices = layer_devices(self.layers, devices, "kv cache")
 
         self.k_l: dict[int, mg.Tensor] = {}
         self.v_l: dict[int, mg.Tensor] = {}
-        ctxs: dict[str, tuple] = {}
-        for il in self.layers:
-            dev = self.devices[il]
-            if dev.name not in ctxs:
-                ctxs[dev.name] = (mg.Context(f"kv_cache_{dev.name}"), dev)
-            ctx = ctxs[dev.name][0]
+
+        def make(ctx, il):
             self.k_l[il] = ctx.new_tensor_2d(mg.f32, self.n_embd_k[il], self.size).set_name(f"cache_k_l{il}")
             self.v_l[il] = ctx.new_tensor_2d(mg.f32, self.n_embd_v[il], self.size).set_name(f"cache_v_l{il}")
-        self.buffers = []
-        for ctx, dev in ctxs.values():
-            buf = mg.alloc_ctx_tensors(ctx, dev, usage="any")
-            if buf is not None:
-                dev.set_bytes(buf, 0, np.zeros(buf.nbytes, np.uint8))
-                self.buffers.append(buf)
+        self.buffers = alloc_zeroed(self.layers, self.devices, "kv_cache", make)
         self.last_refusal: str | None = None
         self.clear()
 

@@ -16,11 +16,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 import minigraph as mg
+
+from .layer_caches import alloc_zeroed, check_layers, layer_devices, per_layer
 
 from .batch import Ubatch
 
@@ -73,10 +75,6 @@ def coalesce_rows(spans) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def _per_layer(v, il: int) -> int:
-    return int(v(il) if callable(v) else v)
-
-
 class RecurrentMemory:
     """llama_memory_recurrent for the given recurrent layers.
 
@@ -91,9 +89,7 @@ class RecurrentMemory:
 
     def __init__(self, layers: Sequence[int], n_embd_r, n_embd_s, mem_size: int, n_rs_seq: int,
                  devices, n_seq_max: int | None = None):
-        self.layers = [int(il) for il in layers]
-        if len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"recurrent memory: layer list has duplicates: {self.layers}")
+        self.layers = check_layers(layers, "recurrent memory")
         if int(mem_size) < 1:
             raise ValueError(f"recurrent memory: mem_size must be >= 1, got {mem_size}")
         if int(n_rs_seq) < 0:
@@ -106,44 +102,26 @@ class RecurrentMemory:
         self.n_rs_seq = int(n_rs_seq) if self.layers else 0
         self.K = self.n_rs_seq + 1
 
-        self.n_embd_r = {il: _per_layer(n_embd_r, il) for il in self.layers}
-        self.n_embd_s = {il: _per_layer(n_embd_s, il) for il in self.layers}
+        self.n_embd_r = {il: per_layer(n_embd_r, il) for il in self.layers}
+        self.n_embd_s = {il: per_layer(n_embd_s, il) for il in self.layers}
         for il in self.layers:
             if self.n_embd_r[il] < 0 or self.n_embd_s[il] < 0:
                 raise ValueError(f"recurrent memory: negative state size for layer {il}")
 
-        if isinstance(devices, Mapping):
-            missing = [il for il in self.layers if il not in devices]
-            if missing:
-                raise ValueError(f"recurrent memory: no device given for layers {missing}")
-            self.devices = {il: devices[il] for il in self.layers}
-        else:
-            if devices is None:
-                raise ValueError("recurrent memory: devices must be a backend or a dict il -> backend")
-            self.devices = {il: devices for il in self.layers}
+        self.devices = layer_devices(self.layers, devices, "recurrent memory")
 
-        # one context per device, tensors zeroed at allocation (ggml_backend_buffer_clear)
         self.r_l: dict[int, mg.Tensor | None] = {}
         self.s_l: dict[int, mg.Tensor | None] = {}
-        ctxs: dict[str, tuple] = {}
         n_rows = self.size * self.K
-        for il in self.layers:
-            dev = self.devices[il]
-            if dev.name not in ctxs:
-                ctxs[dev.name] = (mg.Context(f"rs_cache_{dev.name}"), dev)
-            ctx = ctxs[dev.name][0]
+
+        def make(ctx, il):
             r = s = None
             if self.n_embd_r[il] > 0:
                 r = ctx.new_tensor_2d(mg.f32, self.n_embd_r[il], n_rows).set_name(f"cache_r_l{il}")
             if self.n_embd_s[il] > 0:
                 s = ctx.new_tensor_2d(mg.f32, self.n_embd_s[il], n_rows).set_name(f"cache_s_l{il}")
             self.r_l[il], self.s_l[il] = r, s
-        self.buffers = []
-        for ctx, dev in ctxs.values():
-            buf = mg.alloc_ctx_tensors(ctx, dev, usage="any")
-            if buf is not None:
-                dev.set_bytes(buf, 0, np.zeros(buf.nbytes, np.uint8))
-                self.buffers.append(buf)
+        self.buffers = alloc_zeroed(self.layers, self.devices, "rs_cache", make)
 
         self.last_refusal: str | None = None
         self.clear(data=False)
