@@ -379,20 +379,23 @@ class Scheduler:
         sg.allocated = True
         return sg
 
+    def copy_inputs(self, sg: ScheduledGraph, sp: Split):
+        """Copy split sp's inputs from their devices into its device's copies (the bytes of each)."""
+        dst = self.backends[sp.backend]
+        for s in sp.inputs:
+            c = sg.copies[(s.id, sp.backend)]
+            src_buf, src_offs = s.storage()
+            dst_buf, dst_offs = c.storage()
+            dst.set_bytes(dst_buf, dst_offs, src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes()))
+
     def graph_compute(self, gf) -> ScheduledGraph:
         """Run the splits in order: copy each split's inputs in, then compute its nodes. A graph
         that grew since it was scheduled is scheduled (and allocated) again first."""
         sg = self.alloc_graph(gf)
         with sg.reading():
             for sp in sg.splits:
-                dst = self.backends[sp.backend]
-                for s in sp.inputs:
-                    c = sg.copies[(s.id, sp.backend)]
-                    src_buf, src_offs = s.storage()
-                    dst_buf, dst_offs = c.storage()
-                    data = src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes())
-                    dst.set_bytes(dst_buf, dst_offs, data)
-                dst.compute_nodes(sp.nodes, sg.cache)
+                self.copy_inputs(sg, sp)
+                self.backends[sp.backend].compute_nodes(sp.nodes, sg.cache)
         return sg
 
     def placement_report(self) -> PlacementReport:

@@ -103,11 +103,7 @@ def node_by_node(res: GraphResult) -> list:
     with sg.reading():
         for sp in sg.splits:
             dst = sched.backends[sp.backend]
-            for s in sp.inputs:
-                c = sg.copies[(s.id, sp.backend)]
-                src_buf, src_offs = s.storage()
-                dst_buf, dst_offs = c.storage()
-                dst.set_bytes(dst_buf, dst_offs, src_buf.backend.get_bytes(src_buf, src_offs, s.nbytes()))
+            sched.copy_inputs(sg, sp)
             for n in sp.nodes:
                 dst.compute_nodes([n])           # a fresh one-node list: its own plan, no cache
                 if is_view_op(n):
