@@ -115,16 +115,12 @@ def _back_lfm2(kv):
     if len(hkv) != n_layer:
         raise GGUFError(f"lfm2: lfm2.attention.head_count_kv has {len(hkv)} entries, expected one per block "
                         f"(block_count {n_layer})")
+    from .lfm import check_head_counts
+    try:
+        check_head_counts(n_embd, n_head, hkv, key="lfm2.")
+    except ValueError as e:      # the model's own rules, checked before any weight is read
+        raise GGUFError(str(e)) from None
     if any(hkv):
-        if n_head <= 0 or n_embd % n_head:
-            raise GGUFError(f"lfm2: lfm2.attention.head_count {n_head} must divide embedding_length {n_embd}")
-        for il, x in enumerate(hkv):
-            if x < 0 or (x and n_head % x):
-                raise GGUFError(f"lfm2: lfm2.attention.head_count_kv[{il}] = {x}, expected 0 (short conv) or a "
-                                f"divisor of head_count {n_head}")
-        if len(set(hkv) - {0}) > 1:
-            raise GGUFError(f"lfm2: lfm2.attention.head_count_kv {hkv} mixes K/V head counts, expected one "
-                            "value for every attention block (the KV cache has one V width)")
         for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
             if key in kv and int(kv[key]) != n_embd // n_head:
                 raise GGUFError(f"lfm2: lfm2.{key} = {kv[key]}, expected embedding_length / head_count = "

@@ -205,9 +205,9 @@ def test_unknown_keys_are_kept_on_a_round_trip(tmp_path):
 
 @pytest.mark.parametrize("key,value,match", [
     ("lfm2.attention.head_count_kv", [0, 2], r"head_count_kv has 2 entries, expected one per block \(block_count 3\)"),
-    ("lfm2.attention.head_count_kv", [0, 3, 0], r"head_count_kv\[1\] = 3, expected 0 \(short conv\) or a divisor of head_count 4"),
+    ("lfm2.attention.head_count_kv", [0, 3, 0], r"lfm2.attention.head_count_kv\[1\] = 3, expected 0 \(short conv\) or a divisor of lfm2.attention.head_count 4"),
     ("lfm2.attention.head_count_kv", [2, 0, 4], r"head_count_kv \[2, 0, 4\] mixes K/V head counts"),
-    ("lfm2.attention.head_count", 5, r"lfm2.attention.head_count 5 must divide embedding_length 32"),
+    ("lfm2.attention.head_count", 5, r"lfm2.attention.head_count 5 must divide lfm2.embedding_length 32"),
     ("lfm2.shortconv.l_cache", 1, r"lfm2.shortconv.l_cache = 1, expected > 1"),
 ])
 def test_bad_heads_and_patterns_are_one_line_errors(tmp_path, key, value, match):
