@@ -159,6 +159,20 @@ def build_delta_net_layer(g, inp_rs, cur, il: int, w: dict, hp: "DeltaNetModel")
     return mg.mul_mat(w["ssm_out"], final_output)                                        # [n_embd, n_tokens]
 
 
+
+def check_attention(n_head: int, n_head_kv: int, d: int, n_rot: int, sections: list, key: str = ""):
+    """The rules on qwen35's gated attention blocks, for the model and for GGUF files alike
+    (``key`` prefixes the key names, e.g. "qwen35."): query heads a multiple of the K/V heads,
+    an even rotary part of at most key_length dims, 4 rope sections >= 0. ValueError otherwise."""
+    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+        raise ValueError(f"qwen35: {key}attention.head_count {n_head} must be a multiple of "
+                         f"attention.head_count_kv {n_head_kv} (both > 0)")
+    if n_rot % 2 or not 0 < n_rot <= d:
+        raise ValueError(f"qwen35: {key}rope.dimension_count = {n_rot}, expected even and in (0, key_length {d}]")
+    if len(sections) != 4 or any(x < 0 for x in sections):
+        raise ValueError(f"qwen35: {key}rope.dimension_sections = {sections}, expected 4 entries >= 0")
+
+
 class DeltaNetModel(RecurrentModel):
     """A tiny Qwen3.5-style gated delta-net with seeded random weights.
 
@@ -185,18 +199,14 @@ class DeltaNetModel(RecurrentModel):
         attn_layers = tuple(il for il in range(n_layer) if interval and (il + 1) % interval == 0)
         d = int(attn_head_dim or head_dim)
         n_rot = int(n_rot or d)
-        if attn_layers:
-            if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
-                raise ValueError(f"qwen35: attention.head_count {n_head} must be a multiple of "
-                                 f"attention.head_count_kv {n_head_kv} (both > 0)")
-            if n_rot % 2 or not 0 < n_rot <= d:
-                raise ValueError(f"qwen35: rope.dimension_count {n_rot} must be even and in (0, key_length {d}]")
         if rope_sections is None:
             half = n_rot // 2
             rope_sections = [half - 2 * (half // 3), half // 3, half // 3, 0]
         rope_sections = [int(x) for x in rope_sections]
-        if len(rope_sections) != 4 or any(x < 0 for x in rope_sections):
-            raise ValueError(f"qwen35: rope.dimension_sections {rope_sections}, expected 4 entries >= 0")
+        if attn_layers:
+            check_attention(n_head, n_head_kv, d, n_rot, rope_sections)
+        elif len(rope_sections) != 4 or any(x < 0 for x in rope_sections):
+            raise ValueError(f"qwen35: rope.dimension_sections = {rope_sections}, expected 4 entries >= 0")
         hp = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, head_dim=head_dim,
                   num_k_heads=num_k_heads, num_v_heads=num_v_heads, n_ff=n_ff, eps=float(eps))
         if interval:

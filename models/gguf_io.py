@@ -259,19 +259,18 @@ def _back_qwen35(kv):
                             "every attention block")
         hkv = vals.pop()
     n_head_kv = int(hkv)
-    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
-        raise GGUFError(f"qwen35: qwen35.attention.head_count {n_head} must be a multiple of "
-                        f"attention.head_count_kv {n_head_kv} (both > 0)")
-    d = int(kv.get("attention.key_length", n_embd // n_head))
+    d = int(kv.get("attention.key_length", n_embd // max(n_head, 1)))
     if int(kv.get("attention.value_length", d)) != d:
         raise GGUFError(f"qwen35: qwen35.attention.value_length = {kv['attention.value_length']}, expected "
                         f"key_length {d}")
     n_rot = int(kv.get("rope.dimension_count", d))
-    if n_rot % 2 or not 0 < n_rot <= d:
-        raise GGUFError(f"qwen35: qwen35.rope.dimension_count = {n_rot}, expected even and in (0, key_length {d}]")
     sections = [int(x) for x in kv.get("rope.dimension_sections", [])]
-    if len(sections) < 4 or any(x < 0 for x in sections):
-        raise GGUFError(f"qwen35: qwen35.rope.dimension_sections = {sections}, expected 4 entries >= 0")
+    from .delta_net import check_attention
+    try:             # the model's own rules, checked before any weight is read
+        check_attention(n_head, n_head_kv, d, n_rot, sections[:4] if len(sections) >= 4 else sections,
+                        key="qwen35.")
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
     if float(kv.get("attention.scale", 0.0)) != 0.0:
         raise GGUFError(f"qwen35: qwen35.attention.scale = {kv['attention.scale']}, expected 0 "
                         "(models.delta_net scales by 1/sqrt(key_length))")
