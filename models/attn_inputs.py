@@ -27,18 +27,23 @@ class InputAttnKV(GraphInput):
         kv = self.kv
         idxs = np.asarray(kv.idxs, np.int64)
         self.self_k_idxs.set(idxs)
+        if self.self_v_idxs is not None:
+            self._set_v_idxs(kv, idxs)
+        self.self_kq_mask.set(kq_mask_values(kv, ubatch, self.self_kq_mask.ne[0], self.self_kq_mask.ne[1],
+                                             self.causal))
+
+    def _set_v_idxs(self, kv, idxs):
         # token t, channel ch of v_cur (element t*n_embd_v + ch) -> element ch*kv_size + cell
         ch = np.arange(kv.n_embd_v_max, dtype=np.int64)
         self.self_v_idxs.set((ch[None, :] * kv.size + idxs[:, None]).reshape(-1))
-        self.self_kq_mask.set(kq_mask_values(kv, ubatch, self.self_kq_mask.ne[0], self.self_kq_mask.ne[1],
-                                             self.causal))
 
     def can_reuse(self, params):
         kv = params.mctx.kv                         # rebind first, as InputRS does
         self.kv = kv
         n_tokens = params.ubatch.n_tokens
+        n_v = 0 if self.self_v_idxs is None else self.self_v_idxs.ne[0]
         for rule, old, new in (("k_idxs (n_tokens)", self.self_k_idxs.ne[0], n_tokens),
-                               ("v_idxs (n_tokens)", self.self_v_idxs.ne[0], n_tokens * kv.n_embd_v_max),
+                               ("v_idxs (n_tokens)", n_v, n_tokens * kv.n_embd_v_max),
                                ("kq_mask (n_kv)", self.self_kq_mask.ne[0], kv.n_kv),
                                ("kq_mask (n_tokens)", self.self_kq_mask.ne[1],
                                 pad_to(n_tokens, GGML_KQ_MASK_PAD))):
@@ -69,7 +74,9 @@ def build_attn_inp_kv(g, kv: KVCache, causal: bool = True) -> InputAttnKV:
     n_tokens = g.n_tokens
     ctx = g.ctx0
     k_idxs = ctx.new_tensor_1d(mg.i64, n_tokens).set_name("inp_k_idxs").set_input()
-    v_idxs = ctx.new_tensor_1d(mg.i64, n_tokens * kv.n_embd_v_max).set_name("inp_v_idxs").set_input()
+    v_idxs = None                # a cache of K-only layers (MLA) has no V to store
+    if kv.n_embd_v_max:
+        v_idxs = ctx.new_tensor_1d(mg.i64, n_tokens * kv.n_embd_v_max).set_name("inp_v_idxs").set_input()
     mask = ctx.new_tensor_2d(mg.f32, kv.n_kv, pad_to(n_tokens, GGML_KQ_MASK_PAD)).set_name("inp_kq_mask").set_input()
     inp = InputAttnKV(kv, k_idxs, v_idxs, mask, causal)
     g.res.inputs.append(inp)
@@ -129,3 +136,26 @@ def build_attn(g, inp: InputAttnKV, q_cur, k_cur, v_cur, n_head: int, n_head_kv:
     kqv = mg.mul_mat(v, kq)                                          # [d_v, n_tokens, n_head]
     cur = mg.permute(kqv, 0, 2, 1, 3)                                # [d_v, n_head, n_tokens]
     return mg.cont_2d(cur, cur.ne[0] * n_head, n_tokens)
+
+
+def build_attn_k(g, inp: InputAttnKV, q_cur, k_cur, v_width: int, v_mla: mg.Tensor, scale: float,
+                 il: int) -> mg.Tensor:
+    """Attention over a K-only cache layer (llama.cpp's build_attn with llm_graph_input_attn_k, as
+    MLA with the absorbed projections uses it), flash attention off. q_cur [D, n_head, n_tokens],
+    k_cur [D, 1, n_tokens]: one shared K head; the values are the first v_width channels of each
+    cached key (a view, nothing else stored); v_mla [v_width, d_v, n_head] turns each head's
+    attended values back into its own d_v channels. Returns [d_v * n_head, n_tokens]."""
+    kv = inp.kv
+    n_tokens = q_cur.ne[2]
+    g.gf.build_forward_expand(cpy_k(kv, k_cur, inp.self_k_idxs, il))
+    k_all = get_k(kv, il, 1)                                         # [D, 1, n_kv]
+    v = mg.view_3d(k_all, v_width, 1, kv.n_kv, k_all.nb[1], k_all.nb[2], 0)   # [v_width, 1, n_kv]
+    q = mg.permute(q_cur, 0, 2, 1, 3)                                # [D, n_tokens, n_head]
+    k = mg.permute(k_all, 0, 2, 1, 3)                                # [D, n_kv, 1]
+    v = mg.cont(mg.transpose(mg.permute(v, 0, 2, 1, 3)))             # [n_kv, v_width, 1]
+    kq = mg.mul_mat(k, q)                                            # [n_kv, n_tokens, n_head]
+    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0)
+    kqv = mg.mul_mat(v, kq)                                          # [v_width, n_tokens, n_head]
+    kqv = mg.mul_mat(v_mla, kqv)                                     # [d_v, n_tokens, n_head]
+    cur = mg.permute(kqv, 0, 2, 1, 3)                                # [d_v, n_head, n_tokens]
+    return mg.cont_2d(cur, cur.ne[0] * cur.ne[1], n_tokens)

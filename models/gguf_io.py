@@ -134,9 +134,11 @@ def _back_lfm2(kv):
 
 def _meta_kimi(hp):
     n_layer, hd = int(hp["n_layer"]), int(hp["head_dim"])
+    hkv = [int(x) for x in (hp.get("head_count_kv") or [0] * n_layer)]
+    lora, r = int(hp.get("kv_lora_rank", hd)), int(hp.get("n_rot", 0))
     return {**_common(hp),
             "attention.head_count": int(hp["n_head"]),
-            "attention.head_count_kv": [0] * n_layer,            # 0 = KDA block
+            "attention.head_count_kv": hkv,                      # per block: 0 = KDA, 1 = MLA
             "kda.head_dim": hd,
             "ssm.conv_kernel": int(hp["d_conv"]),
             "feed_forward_length": int(hp["n_ff"]),
@@ -145,21 +147,48 @@ def _meta_kimi(hp):
             "expert_shared_count": 0,
             "expert_gating_func": 2,                            # sigmoid (unused: no MoE block)
             "leading_dense_block_count": n_layer,
-            # MLA keys the loader requires (unused: no attention block)
-            "attention.key_length_mla": hd,
-            "attention.value_length_mla": hd,
-            "attention.kv_lora_rank": hd}
+            # MLA: the cached key is [kv | k_pe] (key_length), the values its kv part (value_length)
+            "attention.key_length_mla": int(hp.get("mla_k_head_dim", hd)),
+            "attention.value_length_mla": int(hp.get("mla_v_head_dim", hd)),
+            "attention.kv_lora_rank": lora,
+            **({"attention.key_length": lora + r, "attention.value_length": lora, "rope.dimension_count": r}
+               if any(hkv) else {})}
 
 
 def _back_kimi(kv):
-    kv_heads = list(kv.get("attention.head_count_kv", []))
-    if any(int(x) != 0 for x in kv_heads):
-        raise GGUFError("kimi-linear: this file has MLA blocks (head_count_kv != 0); models.kda has KDA blocks only")
-    dense = int(kv.get("leading_dense_block_count", kv["block_count"]))
-    if dense < int(kv["block_count"]):
-        raise GGUFError("kimi-linear: this file has MoE blocks; models.kda has dense FFNs only")
-    return {**_common_back(kv), "n_head": kv["attention.head_count"], "head_dim": kv["kda.head_dim"],
-            "d_conv": kv["ssm.conv_kernel"], "n_ff": kv["feed_forward_length"]}
+    """kimi-linear keys -> KDAModel hparams, checked before any weight is read."""
+    n_layer = int(kv["block_count"])
+    hkv = kv.get("attention.head_count_kv", 0)
+    hkv = [int(hkv)] * n_layer if isinstance(hkv, (int, float)) else [int(x) for x in hkv]
+    if len(hkv) != n_layer:
+        raise GGUFError(f"kimi-linear: kimi-linear.attention.head_count_kv has {len(hkv)} entries, expected one "
+                        f"per block (block_count {n_layer})")
+    dense = int(kv.get("leading_dense_block_count", 0))
+    if dense < n_layer:
+        raise GGUFError(f"kimi-linear: block {dense} has a MoE FFN (kimi-linear.leading_dense_block_count = {dense} "
+                        f"< block_count {n_layer}; blk.{dense}.ffn_gate_exps.weight): minigraph runs dense FFNs only")
+    hp = {**_common_back(kv), "n_head": kv["attention.head_count"], "head_dim": kv["kda.head_dim"],
+          "d_conv": kv["ssm.conv_kernel"], "n_ff": kv["feed_forward_length"]}
+    if any(hkv):
+        if "attention.q_lora_rank" in kv:
+            raise GGUFError("kimi-linear: kimi-linear.attention.q_lora_rank is set (a compressed query: "
+                            "attn_q_a / attn_q_b): minigraph's MLA reads attn_q only, as Kimi-Linear has")
+        r = int(kv.get("rope.dimension_count", 0))
+        lora = int(kv["attention.kv_lora_rank"])
+        for key, want in (("attention.key_length", lora + r), ("attention.value_length", lora)):
+            if key in kv and int(kv[key]) != want:
+                raise GGUFError(f"kimi-linear: kimi-linear.{key} = {kv[key]}, expected {want} (the MLA cache's "
+                                "key is [kv_lora_rank | rope.dimension_count], its values the kv part)")
+        hp.update(head_count_kv=hkv, kv_lora_rank=lora, n_rot=r,
+                  mla_k_head_dim=int(kv["attention.key_length_mla"]),
+                  mla_v_head_dim=int(kv["attention.value_length_mla"]))
+        from .kda import check_mla
+        try:
+            check_mla(int(hp["n_head"]), hkv, hp["mla_k_head_dim"], r, hp["mla_v_head_dim"], lora,
+                      key="kimi-linear.")
+        except ValueError as e:
+            raise GGUFError(str(e)) from None
+    return hp
 
 
 def _meta_mamba2(hp):

@@ -6,6 +6,8 @@ Per attention layer il the cache holds two f32 tensors on that layer's device:
 - `v_l[il]` = [n_embd_v_gqa, kv_size] ("cache_v_l{il}"), stored *transposed* as llama.cpp does
   without flash attention: the value channel ch of cell c lives at element ch*kv_size + c, so
   get_v can hand mul_mat a [n_kv, n_embd_head_v, n_head_kv] view without a copy.
+- a layer with n_embd_v_gqa 0 keeps K only (`v_l[il]` is None): llama.cpp's MLA cache, whose
+  values are a view of the first channels of each key row (models/kda.py's MLA blocks).
 
 Cells (`KVCells`, llama_kv_cells) carry a position, a set of sequence ids and an accumulated shift.
 find_slot picks the ubatch's cells (any free cells, or one contiguous run when asked), apply_ubatch
@@ -120,8 +122,8 @@ class KVCache:
 
     layers   : attention layer indices
     n_embd_k : int or callable il -> int (n_embd_head_k * n_head_kv)
-    n_embd_v : int or callable il -> int (n_embd_head_v * n_head_kv; one width for all layers,
-               because the v_idxs input is shared by every layer)
+    n_embd_v : int or callable il -> int (n_embd_head_v * n_head_kv; one width for all layers
+               that store V, because the v_idxs input is shared by every layer; 0: K only)
     kv_size  : cells
     devices  : one backend, or a dict il -> backend (each layer's K/V on its layer's device)
     n_seq_max: sequence ids must be < n_seq_max
@@ -142,7 +144,7 @@ class KVCache:
         self.n_pad = int(n_pad)
         self.n_embd_k = {il: per_layer(n_embd_k, il) for il in self.layers}
         self.n_embd_v = {il: per_layer(n_embd_v, il) for il in self.layers}
-        widths = set(self.n_embd_v.values())
+        widths = set(self.n_embd_v.values()) - {0}
         if len(widths) > 1:
             raise ValueError(f"kv cache: layers have different n_embd_v {sorted(widths)} (rule: the "
                              "shared v_idxs input needs one width)")
@@ -150,11 +152,12 @@ class KVCache:
         self.devices = layer_devices(self.layers, devices, "kv cache")
 
         self.k_l: dict[int, mg.Tensor] = {}
-        self.v_l: dict[int, mg.Tensor] = {}
+        self.v_l: dict[int, mg.Tensor | None] = {il: None for il in self.layers}
 
         def make(ctx, il):
             self.k_l[il] = ctx.new_tensor_2d(mg.f32, self.n_embd_k[il], self.size).set_name(f"cache_k_l{il}")
-            self.v_l[il] = ctx.new_tensor_2d(mg.f32, self.n_embd_v[il], self.size).set_name(f"cache_v_l{il}")
+            if self.n_embd_v[il]:          # 0: a K-only layer (MLA) has no V tensor
+                self.v_l[il] = ctx.new_tensor_2d(mg.f32, self.n_embd_v[il], self.size).set_name(f"cache_v_l{il}")
         self.buffers = alloc_zeroed(self.layers, self.devices, "kv_cache", make)
         self.last_refusal: str | None = None
         self.clear()
@@ -173,7 +176,7 @@ class KVCache:
     def tensors(self) -> list[mg.Tensor]:
         out = []
         for il in self.layers:
-            out += [self.k_l[il], self.v_l[il]]
+            out += [t for t in (self.k_l[il], self.v_l[il]) if t is not None]
         return out
 
     def get_size(self) -> int:
@@ -359,6 +362,8 @@ class KVCache:
         for il in self.layers:
             k, v = self.k_l[il], self.v_l[il]
             out += [(k, c0 * k.nb[1], n * k.nb[1]) for c0, n in runs]
+            if v is None:
+                continue
             elt = v.type.size
             out += [(v, (ch * self.size + c0) * elt, n * elt) for ch in range(self.n_embd_v[il]) for c0, n in runs]
         return out
@@ -376,17 +381,20 @@ class KVCache:
 
     def v_rows(self, il: int, cells: list[int]) -> np.ndarray:
         """[len(cells), n_embd_v] values of the cells (read out of the transposed layout)."""
+        if self.v_l[il] is None:
+            return np.zeros((len(cells), 0), np.float32)
         return self.v_l[il].numpy().reshape(self.n_embd_v[il], self.size)[:, cells].T
 
     def write_cells(self, il: int, cells: list[int], k: np.ndarray, v: np.ndarray):
         """Put keys / values [len(cells), n_embd] into the cells (V into its transposed layout)."""
         kt, vt = self.k_l[il], self.v_l[il]
         kk = kt.numpy().reshape(self.size, self.n_embd_k[il]).copy()
-        vv = vt.numpy().reshape(self.n_embd_v[il], self.size).copy()
         kk[cells] = k
-        vv[:, cells] = v.T
         self._set_bytes(kt, kk.astype(np.float32).view(np.uint8))
-        self._set_bytes(vt, vv.astype(np.float32).view(np.uint8))
+        if vt is not None:
+            vv = vt.numpy().reshape(self.n_embd_v[il], self.size).copy()
+            vv[:, cells] = v.T
+            self._set_bytes(vt, vv.astype(np.float32).view(np.uint8))
 
     # -- state save / load ----------------------------------------------------------------------------
     def state_write(self, seq: int = -1) -> bytes:

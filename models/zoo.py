@@ -13,6 +13,7 @@ MODELS = {
     "lfm": ("minigraph.models.lfm", "LFM2Model"),   # short conv + attention blocks (KV cache), as llama.cpp's files
     "lfm-hybrid": ("minigraph.models.lfm", "LFM2Model"),   # alias of lfm (its former hybrid name)
     "kda": ("minigraph.models.kda", "KDAModel"),
+    "kda-hybrid": ("minigraph.models.kda", "KDAHybridModel"),   # kimi-linear with an MLA block (KV cache)
     "toy": ("minigraph.models.toy", "ToyConvModel"),
     "toy-tp": ("minigraph.models.toy_tp", "ToyConvTPModel"),   # the toy with out_proj: splits on a meta device
     "toy-hybrid": ("minigraph.models.toy_hybrid", "ToyHybridModel"),   # conv layers + attention (KV cache)

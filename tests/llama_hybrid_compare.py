@@ -66,21 +66,28 @@ L.llama_context_default_params = f32_kv
 path, n_seq, n_rs_seq, n_ubatch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 calls = json.loads(sys.stdin.read())
 res = []
-with lo.LlamaOracle(path, n_ubatch=n_ubatch, n_seq_max=n_seq, n_rs_seq=n_rs_seq, n_threads=1) as ll:
+# no snapshots: a draft rolls back through a checkpoint in a spare sequence, asked for only when
+# there is a draft (an unused extra sequence makes llama.cpp abort on kimi-linear batches of two
+# sequences whose MLA block precedes a KDA block: GGML_ASSERT(ggml_can_repeat(b, a)) in ggml_add)
+spare = None if n_rs_seq or all(c[0] == "decode" for c in calls) else n_seq
+with lo.LlamaOracle(path, n_ubatch=n_ubatch, n_seq_max=n_seq + (spare is not None), n_rs_seq=n_rs_seq,
+                    n_threads=1) as ll:
     if ll.n_rs_seq != n_rs_seq:
         sys.exit(f"llama.cpp gave the context n_rs_seq {ll.n_rs_seq}, asked {n_rs_seq}")
     for c in calls:
         if c[0] == "decode":
             res.append(ll.decode({int(k): v for k, v in c[1].items()}))
         else:
-            res.append({c[1]: ll.speculative_step(c[1], c[2], c[3])})
+            res.append({c[1]: ll.speculative_step(c[1], c[2], c[3], spare=spare)})
 pickle.dump(res, open(out, "wb"))
 '''
 
 
-def llama_f32(path, n_seq, calls, tmp_path):
+def llama_f32(path, n_seq, calls, tmp_path, n_rs_seq=N_RS_SEQ):
+    """llama.cpp's logits for the calls with an f32 KV cache. n_rs_seq 0 (an arch llama.cpp gives
+    no snapshots, e.g. kimi-linear): a draft rolls back through a checkpoint in a spare sequence."""
     out = tmp_path / "logits.pkl"
-    p = subprocess.run([sys.executable, "-c", WORKER, str(path), str(n_seq), str(N_RS_SEQ), str(N_UBATCH), str(out)],
+    p = subprocess.run([sys.executable, "-c", WORKER, str(path), str(n_seq), str(n_rs_seq), str(N_UBATCH), str(out)],
                        input=json.dumps(_jsonable(calls)), capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         lines = (p.stderr.strip() or p.stdout.strip() or f"status {p.returncode}").splitlines()
@@ -88,11 +95,14 @@ def llama_f32(path, n_seq, calls, tmp_path):
     return pickle.loads(out.read_bytes())
 
 
-def llama_f16(path, n_seq, calls):
+def llama_f16(path, n_seq, calls, n_rs_seq=N_RS_SEQ):
     res = []
-    with lo.LlamaOracleProcess(path, n_ubatch=N_UBATCH, n_seq_max=n_seq, n_rs_seq=N_RS_SEQ, n_threads=1) as ll:
+    spare = None if n_rs_seq or all(c[0] == "decode" for c in calls) else n_seq     # as in WORKER
+    with lo.LlamaOracleProcess(path, n_ubatch=N_UBATCH, n_seq_max=n_seq + (spare is not None), n_rs_seq=n_rs_seq,
+                               n_threads=1) as ll:
         for c in calls:
-            res.append(ll.decode(c[1]) if c[0] == "decode" else {c[1]: ll.speculative_step(c[1], c[2], c[3])})
+            res.append(ll.decode(c[1]) if c[0] == "decode"
+                       else {c[1]: ll.speculative_step(c[1], c[2], c[3], spare=spare)})
     return res
 
 

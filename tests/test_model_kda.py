@@ -137,3 +137,104 @@ def test_reuse_on_equals_reuse_off(device, one_cpu_thread):
             assert np.array_equal(a[s], b[s])
     for a, b in zip(s_on, s_off):
         assert np.array_equal(a, b)
+
+
+# -- MLA blocks (llama.cpp's absorbed MLA, K-only cache); tests/test_llama_oracle_kimi.py compares
+#    the logits with llama.cpp itself ---------------------------------------------------------------
+
+MLA = dict(n_layer=3, head_count_kv=[0, 1, 0], kv_lora_rank=24, mla_k_head_dim=20, mla_v_head_dim=12, n_rot=4)
+
+
+def mla_numpy(m, x: np.ndarray, pos_of_cells: int) -> np.ndarray:
+    """One MLA block's mixer written from the math (float64), all tokens of one sequence:
+    q_h = [q_nope_h | q_pe_h]; k_t = [norm(kv_t) | k_pe_t]; head h attends with
+    score(t, s) = (k_b_h^T q_nope_h) . kv_s + q_pe_h . k_pe_s, scaled by 1/sqrt(dk), causal; the
+    attended latent sum_s p(t, s) kv_s goes through v_b_h, then attn_output."""
+    w = {k: t.numpy().astype(np.float64) for k, t in m.layer_w[1].items()}
+    H, dk, dv, r, lora = m.n_head, m.mla_k_head_dim, m.mla_v_head_dim, m.n_rot, m.kv_lora_rank
+    T = x.shape[0]
+    q = (x @ w["attn_q"].T).reshape(T, H, dk)
+    kvpe = x @ w["attn_kv_a_mqa"].T
+    kv, kpe = kvpe[:, :lora], kvpe[:, lora:]
+    kv = kv / np.sqrt(np.mean(kv * kv, axis=1, keepdims=True) + m.eps) * w["attn_kv_a_norm"]
+    out = np.zeros((T, H, dv))
+    for h in range(H):
+        qa = q[:, h, :dk - r] @ w["attn_k_b"][h].T                     # [T, lora]: absorbed
+        s = (qa @ kv.T + q[:, h, dk - r:] @ kpe.T) / np.sqrt(dk)
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h] = (p @ kv) @ w["attn_v_b"][h].T                      # [T, dv]
+    return out.reshape(T, H * dv) @ w["attn_output"].T
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+def test_mla_block_matches_numpy(device, one_cpu_thread):
+    m = kda(mg.backend(device), **MLA)
+    assert m.attn_layers == (1,) and m.n_embd_k_gqa(1) == 28 and m.n_embd_v_gqa(1) == 0
+    r = Runner(m, mem_size=1, n_ubatch=8)
+    toks = [5, 9, 2, 33, 17, 8]
+    r.decode_seq_tokens({0: toks})
+    got = r.prev.outputs["mixer.1"].numpy()             # [T, n_embd]
+    l_out0 = r.prev.outputs["l_out.0"].numpy().astype(np.float64)
+    x = l_out0 / np.sqrt(np.mean(l_out0 ** 2, axis=1, keepdims=True) + m.eps) * m.layer_w[1]["attn_norm"].numpy()
+    want = mla_numpy(m, x, 0)
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
+    assert r.memory.kv.v_l[1] is None                   # K only: the values are a view of the keys
+
+
+def test_mla_model_rollback_and_reuse(one_cpu_thread):
+    """A draft rolled back leaves the hybrid as if it was never decoded; graphs are reused."""
+    mk = lambda: kda(mg.backend("cpu"), **MLA)       # noqa: E731
+    a, b = Runner(mk(), mem_size=1, n_rs_seq=3, validate=True), Runner(mk(), mem_size=1, n_rs_seq=3)
+    a.decode_seq_tokens({0: [1, 2, 3, 4, 5]})
+    b.decode_seq_tokens({0: [1, 2, 3, 4, 5]})
+    a.decode_seq_tokens({0: [7, 8, 9]})
+    assert a.rollback(0, 2)
+    b.decode_seq_tokens({0: [7]})
+    for t in (11, 12, 13):
+        np.testing.assert_array_equal(a.decode_seq_tokens({0: [t]})[0], b.decode_seq_tokens({0: [t]})[0])
+    assert a.stats.reuses > 0 and a.stats.validated == a.stats.reuses
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(head_count_kv=[0, 2, 0]), r"head_count_kv\[1\] = 2, expected 0 \(KDA block\) or 1"),
+    (dict(head_count_kv=[0, 1, 0], n_rot=20, mla_k_head_dim=20), r"rope.dimension_count = 20"),
+    (dict(head_count_kv=[0, 1]), r"head_count_kv has 2 entries, expected one per layer \(3\)"),
+])
+def test_bad_mla_layouts_are_one_line_errors(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        kda(mg.backend("ref"), **{**MLA, **kw})
+    assert "\n" not in str(e.value)
+
+
+def test_mla_file_round_trip_and_moe_refused(tmp_path):
+    from minigraph.models.gguf_io import GGUFError, load_gguf, read_metadata, save_gguf
+    cpu = mg.backend("cpu")
+    m = kda(cpu, **MLA)
+    path = save_gguf(m, tmp_path / "mla.gguf", embed_hparams=False)
+    kv = read_metadata(path)
+    assert list(kv["kimi-linear.attention.head_count_kv"]) == [0, 1, 0]
+    assert (kv["kimi-linear.attention.key_length"], kv["kimi-linear.attention.value_length"]) == (28, 24)
+    back = load_gguf(path, devices=cpu)
+    assert back.attn_layers == (1,) and back.hparams == {k: v for k, v in m.hparams.items()}
+    toks = {0: [4, 5, 6]}
+    np.testing.assert_array_equal(Runner(m, mem_size=1).decode_seq_tokens(toks)[0],
+                                  Runner(back, mem_size=1).decode_seq_tokens(toks)[0])
+    # a file whose blocks from 1 on have MoE FFNs: refused, naming the block and the key
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "kimi-linear")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        val = f.contents()
+        if name == "kimi-linear.leading_dense_block_count":
+            val = 1
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, val, f.types[0], sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()   # noqa: E702
+    with pytest.raises(GGUFError, match=r"block 1 has a MoE FFN \(kimi-linear.leading_dense_block_count = 1"):
+        load_gguf(tmp_path / "moe.gguf", devices=cpu)

@@ -11,7 +11,7 @@ Per token and block (H heads of size d, D = H*d, L = d_conv):
     u = rms(x) * attn_norm
     for p in q, k, v: a_p = attn_p @ u; window_p = [hist_p (L-1 columns), a_p]
                       p_t = silu(sum_i conv_p[:, i] * window_p[:, i]); hist_p <- window_p[:, 1:]
-    q_h, k_h = q_t, k_t per head, each divided by max(||.||, eps)
+    q_h, k_h = q_t, k_t per head, each divided by sqrt(||.||^2 + eps) (llama.cpp's delta-net l2 norm)
     g = ssm_a[h] * softplus(f_b @ (f_a @ u) + dt_bias)          (per head h and key dim i, <= 0)
     beta_h = sigmoid(ssm_beta @ u)[h]
     per head, with S[i][j] (i key dim, j value dim):
@@ -51,7 +51,7 @@ def softplus(x):
 
 
 def l2n(x, eps):
-    return x / max(np.sqrt(np.sum(x * x)), eps)
+    return x / np.sqrt(np.sum(x * x) + eps)
 
 
 class KdaRef(PreNormFfnRef):
