@@ -176,8 +176,9 @@ def check_attention(n_head: int, n_head_kv: int, d: int, n_rot: int, sections: l
 class DeltaNetModel(RecurrentModel):
     """A tiny Qwen3.5-style gated delta-net with seeded random weights.
 
-    Defaults: d_model 64, 2 layers, vocab 64, d_conv 4, head dim 16, 2 k heads, 4 v heads
-    (d_inner 64), n_ff 128: conv channels 128, n_embd_r 384, n_embd_s 1024 per layer."""
+    Defaults: d_model 64, 2 layers (a delta-net block, then a gated attention block: llama.cpp
+    runs only hybrid qwen35 files), vocab 64, d_conv 4, head dim 16, 2 k heads, 4 v heads
+    (d_inner 64), n_ff 128: conv channels 128, n_embd_r 384, n_embd_s 1024 per delta-net layer."""
     arch = "qwen35"
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, d_conv=4, head_dim=16, num_k_heads=2,
@@ -186,14 +187,18 @@ class DeltaNetModel(RecurrentModel):
                  devices=None, seed=0, layer_outputs=False):
         """devices: None (everything on cpu), one backend, or a list with one backend per layer;
         the embedding and output head live on the last device of the list (the host).
-        full_attention_interval: None or 0 = every block a delta-net; k = block il is a gated
+        full_attention_interval: 0 = every block a delta-net (a file llama.cpp cannot run: its
+        hybrid memory needs an attention block); None = llama.cpp's default 4, or n_layer for a
+        model of 2 or 3 blocks (2 blocks: delta-net, attention; 1 block: a delta-net); k = block il is a gated
         attention block when (il + 1) % k == 0 (n_head query heads, n_head_kv K/V heads of
         attn_head_dim (default head_dim), IMROPE over n_rot dims (default attn_head_dim) with
         rope_sections (4 entries; default: the n_rot/2 pairs split over t, h, w)).
         layer_outputs: also return each layer's residual output as 'l_out.{il}' (tests)."""
         if num_v_heads % num_k_heads:
             raise ValueError("delta-net: num_v_heads must be a multiple of num_k_heads")
-        interval = int(full_attention_interval or 0)
+        if full_attention_interval is None:            # one block alone stays a delta-net
+            full_attention_interval = min(4, n_layer) if n_layer > 1 else 0
+        interval = int(full_attention_interval)
         if interval < 0:
             raise ValueError(f"qwen35: full_attention_interval = {interval}, expected >= 0")
         attn_layers = tuple(il for il in range(n_layer) if interval and (il + 1) % interval == 0)
@@ -208,9 +213,10 @@ class DeltaNetModel(RecurrentModel):
         elif len(rope_sections) != 4 or any(x < 0 for x in rope_sections):
             raise ValueError(f"qwen35: rope.dimension_sections = {rope_sections}, expected 4 entries >= 0")
         hp = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, d_conv=d_conv, head_dim=head_dim,
-                  num_k_heads=num_k_heads, num_v_heads=num_v_heads, n_ff=n_ff, eps=float(eps))
+                  num_k_heads=num_k_heads, num_v_heads=num_v_heads, n_ff=n_ff, eps=float(eps),
+                  full_attention_interval=interval)
         if interval:
-            hp.update(full_attention_interval=interval, n_head=n_head, n_head_kv=n_head_kv, attn_head_dim=d,
+            hp.update(n_head=n_head, n_head_kv=n_head_kv, attn_head_dim=d,
                       n_rot=n_rot, rope_sections=rope_sections, rope_freq_base=float(rope_freq_base),
                       n_ctx_train=n_ctx_train)
         self.full_attention_interval, self.attn_layers = interval, attn_layers

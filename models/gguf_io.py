@@ -168,7 +168,7 @@ def _back_kimi(kv):
         raise GGUFError(f"kimi-linear: block {dense} has a MoE FFN (kimi-linear.leading_dense_block_count = {dense} "
                         f"< block_count {n_layer}; blk.{dense}.ffn_gate_exps.weight): minigraph runs dense FFNs only")
     hp = {**_common_back(kv), "n_head": kv["attention.head_count"], "head_dim": kv["kda.head_dim"],
-          "d_conv": kv["ssm.conv_kernel"], "n_ff": kv["feed_forward_length"]}
+          "d_conv": kv["ssm.conv_kernel"], "n_ff": kv["feed_forward_length"], "head_count_kv": hkv}
     if any(hkv):
         if "attention.q_lora_rank" in kv:
             raise GGUFError("kimi-linear: kimi-linear.attention.q_lora_rank is set (a compressed query: "
@@ -179,7 +179,7 @@ def _back_kimi(kv):
             if key in kv and int(kv[key]) != want:
                 raise GGUFError(f"kimi-linear: kimi-linear.{key} = {kv[key]}, expected {want} (the MLA cache's "
                                 "key is [kv_lora_rank | rope.dimension_count], its values the kv part)")
-        hp.update(head_count_kv=hkv, kv_lora_rank=lora, n_rot=r,
+        hp.update(kv_lora_rank=lora, n_rot=r,
                   mla_k_head_dim=int(kv["attention.key_length_mla"]),
                   mla_v_head_dim=int(kv["attention.value_length_mla"]))
         from .kda import check_mla
@@ -278,7 +278,7 @@ def _back_qwen35(kv):
                         f"ssm.time_step_rank = {d_state * n_v} (head_v_dim = head_k_dim)")
     attn, interval = _qwen35_attn_layers(kv, n_layer)
     if not attn:
-        return hp
+        return {**hp, "full_attention_interval": 0}          # every block a delta-net
     n_head = int(kv["attention.head_count"])
     hkv = kv.get("attention.head_count_kv", n_head)
     if not isinstance(hkv, (int, float)):

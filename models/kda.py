@@ -120,8 +120,13 @@ def build_mla_layer(g, inp_attn, il: int, w: dict, cur: mg.Tensor, hp: "KDAModel
 
 def default_head_count_kv(n_layer: int) -> list:
     """Kimi-Linear's layout scaled to n_layer: every 4th block MLA (Kimi-Linear-48B: 3 KDA blocks,
-    then one MLA block), each with llama.cpp's one shared K head."""
-    return [1 if (il + 1) % 4 == 0 else 0 for il in range(n_layer)]
+    then one MLA block), each with llama.cpp's one shared K head; a model of fewer than 4 blocks
+    has its last block MLA (llama.cpp's hybrid memory needs at least one attention block), a
+    model of one block is KDA only."""
+    if n_layer < 2:
+        return [0] * n_layer
+    every = min(4, n_layer)
+    return [1 if (il + 1) % every == 0 else 0 for il in range(n_layer)]
 
 
 def check_mla(n_head: int, hkv: list, mla_k_head_dim: int, n_rot: int, mla_v_head_dim: int,
@@ -148,10 +153,11 @@ def check_mla(n_head: int, hkv: list, mla_k_head_dim: int, n_rot: int, mla_v_hea
 class KDAModel(RecurrentModel):
     """A tiny Kimi-Linear with dense FFNs, seeded random weights.
 
-    Defaults: d_model 64, 2 blocks, vocab 64, 2 heads of 16 (d_inner 32), d_conv 4, FFN 96:
-    n_embd_r = 3*3*32 = 288 and n_embd_s = 16*16*2 = 512 per KDA layer. head_count_kv: llama.cpp's
-    per-layer array (0 = KDA block, 1 = MLA block); None: every block KDA (a file llama.cpp
-    refuses to run: its hybrid memory needs an attention block; KDAHybridModel has one).
+    Defaults: d_model 64, 2 blocks (KDA, MLA), vocab 64, 2 heads of 16 (d_inner 32), d_conv 4,
+    FFN 96: n_embd_r = 3*3*32 = 288 and n_embd_s = 16*16*2 = 512 per KDA layer. head_count_kv: llama.cpp's
+    per-layer array (0 = KDA block, 1 = MLA block), or one value for every block; None:
+    default_head_count_kv(n_layer), llama.cpp's hybrid layout (2 blocks: KDA, MLA). 0 gives a
+    KDA-only model, whose file llama.cpp cannot run (its hybrid memory needs an attention block).
     MLA blocks: the n_head heads have keys of mla_k_head_dim (the last n_rot of them the "rope"
     part), values of mla_v_head_dim, a compressed kv of kv_lora_rank.
     `hparams` holds the constructor's structural arguments; `gguf_tensors()` the weights by GGUF name."""
@@ -168,16 +174,18 @@ class KDAModel(RecurrentModel):
         layer_outputs: also return each block's mixer output 'mixer.{il}' and block output
         'l_out.{il}' ([n_embd, n_tokens]; tests)."""
         if head_count_kv is None:
-            head_count_kv = [0] * n_layer
+            head_count_kv = default_head_count_kv(n_layer)
+        if isinstance(head_count_kv, (int, np.integer)):     # one value for every block (0: KDA only)
+            head_count_kv = [int(head_count_kv)] * n_layer
         hkv = [int(x) for x in head_count_kv][:n_layer]      # a model cut to its first blocks keeps its layout
         if len(hkv) != n_layer:
             raise ValueError(f"kimi-linear: attention.head_count_kv has {len(hkv)} entries, expected one per "
                              f"layer ({n_layer})")
         check_mla(n_head, hkv, mla_k_head_dim, n_rot, mla_v_head_dim, kv_lora_rank)
         hp = dict(n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, head_dim=head_dim,
-                  d_conv=d_conv, n_ff=n_ff, eps=float(eps), n_ctx_train=n_ctx_train)
+                  d_conv=d_conv, n_ff=n_ff, eps=float(eps), n_ctx_train=n_ctx_train, head_count_kv=hkv)
         if any(hkv):
-            hp.update(head_count_kv=hkv, kv_lora_rank=kv_lora_rank, mla_k_head_dim=mla_k_head_dim,
+            hp.update(kv_lora_rank=kv_lora_rank, mla_k_head_dim=mla_k_head_dim,
                       mla_v_head_dim=mla_v_head_dim, n_rot=n_rot)
         super().__init__(hp, devices, layer_outputs)
         self.n_head, self.head_dim, self.d_conv, self.n_ff = n_head, head_dim, d_conv, n_ff
@@ -255,14 +263,12 @@ class KDAModel(RecurrentModel):
 
 
 class KDAHybridModel(KDAModel):
-    """Kimi-Linear with llama.cpp's layout: 4 blocks, the 4th an MLA block (default_head_count_kv)."""
+    """Kimi-Linear with the 48B model's rhythm: 4 blocks, the 4th an MLA block."""
 
     DEFAULT_N_LAYER = 4
 
-    def __init__(self, n_layer=4, head_count_kv=None, **kw):
-        if head_count_kv is None:
-            head_count_kv = default_head_count_kv(n_layer)
-        super().__init__(n_layer=n_layer, head_count_kv=head_count_kv, **kw)
+    def __init__(self, n_layer=4, **kw):
+        super().__init__(n_layer=n_layer, **kw)
 
 
 KdaModel = KDAModel

@@ -31,7 +31,7 @@ def one_cpu_thread():
 # lfm2 conv-only (head_count_kv zeros; LFM2Model's default has an attention block, whose files
 # tests/test_model_lfm_hybrid.py round-trips)
 LFM_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, l_cache=3, n_ff=96, head_count_kv=[0, 0])
-KDA_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96)
+KDA_CFG = dict(n_vocab=48, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96, head_count_kv=[0, 0])
 STREAM = [{0: [1, 2, 3, 4, 5]}, {0: [6]}, {0: [7, 8], 1: [9, 10]}, {0: [11], 1: [12]}]
 
 
@@ -44,7 +44,9 @@ def make(kind, devices, seed=3):
 def run(model, n_rs_seq=2):
     r = Runner(model, mem_size=2, n_rs_seq=n_rs_seq)
     logits = [r.decode_seq_tokens(step) for step in STREAM]
-    state = [t.numpy() for il in model.layers for t in (r.memory.r_l[il], r.memory.s_l.get(il)) if t is not None]
+    state = [t.numpy() for il in model.layers for t in (r.memory.r_l.get(il), r.memory.s_l.get(il)) if t is not None]
+    kv = getattr(r.memory, "kv", None)           # a hybrid's attention blocks: their K/V too
+    state += [t.numpy() for t in (kv.tensors() if kv else [])]
     return logits, state
 
 

@@ -87,10 +87,10 @@ def mamba2(dev):
 MAKERS = {
     "mamba2": mamba2,
     "lfm2": lambda dev: LFM2Model(n_vocab=48, devices=dev, seed=5),
-    "qwen35": lambda dev: DeltaNetModel(n_vocab=48, devices=dev, seed=5),
+    "qwen35": lambda dev: DeltaNetModel(n_vocab=48, devices=dev, seed=5),      # delta-net + gated attention
     # qwen35 with llama.cpp's layout (every 4th block gated attention): llama.cpp runs it
     "qwen35-hybrid": lambda dev: DeltaNetHybridModel(n_vocab=48, devices=dev, seed=5),
-    "kimi-linear": lambda dev: KDAModel(n_vocab=48, devices=dev, seed=5),
+    "kimi-linear": lambda dev: KDAModel(n_vocab=48, devices=dev, seed=5),       # KDA + MLA
 }
 
 
@@ -210,33 +210,24 @@ def test_mamba2_same_file_same_logits_as_the_model_in_memory(files, tmp_path):
         assert rel_err(a, ll.decode({0: PROMPT})[0]) <= BOUND
 
 
-# -- the other archs: probed in a worker (llama.cpp aborts on them today) --------------------------
-
-KNOWN_ABORT = "GGML_ASSERT(buffer)"
-
+# -- the other archs: minigraph's default files, each with attention blocks as llama.cpp needs ----
 
 @pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35-hybrid", "kimi-linear"])
 def test_other_archs(files, arch):
-    """minigraph's default lfm2 has attention blocks (llama.cpp's hybrid layout), so llama.cpp runs
-    it: the logits are compared (f16 K/V on llama.cpp's side: BOUND_F16_KV), as they are for the
-    qwen35 file with gated attention blocks (qwen35-hybrid). qwen35 and kimi-linear by default are
-    written with no attention layer at all; llama.cpp builds them as hybrid models and its attention
-    KV cache then has no buffer: GGML_ASSERT(buffer) in llama_kv_cache::set_input_k_idxs, an abort.
-    That is an expected failure until those models write attention layers by default
-    (tests/test_llama_oracle_qwen35.py and test_llama_oracle_lfm2.py compare the hybrids fully)."""
+    """minigraph's default lfm2, qwen35 and kimi-linear models have attention blocks (llama.cpp's
+    hybrid layouts: its hybrid memory needs at least one attention block and aborts without one,
+    GGML_ASSERT(buffer) in llama_kv_cache::set_input_k_idxs), so llama.cpp runs each file minigraph
+    writes by default: the logits are compared (f16 K/V on llama.cpp's side: BOUND_F16_KV).
+    tests/test_llama_oracle_{lfm2,qwen35,kimi}.py compare several layouts fully, f32 KV included."""
     path = files[arch]
     model = load_gguf(path, devices=mg.backend("cpu"))
-    has_attn = bool(getattr(model, "attn_layers", ()))
-    if arch == "lfm2":
-        assert has_attn, "minigraph's default lfm2 has attention blocks, as llama.cpp's files"
+    assert getattr(model, "attn_layers", ()), f"minigraph's default {arch} has attention blocks, as llama.cpp's files"
     p = lo.probe(path, n_ubatch=N_UBATCH, n_threads=1)
     if not p.ok:
-        if KNOWN_ABORT in p.message and "set_input_k_idxs" in p.message:
-            pytest.xfail(f"llama.cpp aborts on minigraph's {arch} file (no attention layer): {p.message}")
         pytest.fail(f"llama.cpp cannot run minigraph's {arch} file: {p.message}")
     with oracle(path, n_seq_max=2) as ll:
-        scenario = "prefill, decode, two sequences" + (f" (f16 kv: bound {BOUND_F16_KV:g})" if has_attn else "")
-        c = Compare(arch, scenario, runner(path, mem_size=2), ll, BOUND_F16_KV if has_attn else BOUND)
+        scenario = f"prefill, decode, two sequences (f16 kv: bound {BOUND_F16_KV:g})"
+        c = Compare(arch, scenario, runner(path, mem_size=2), ll, BOUND_F16_KV)
         c.decode({0: PROMPT}, "prefill")
         c.decode({0: [4]}, "decode")
         c.decode({0: [5], 1: [6, 7]}, "two sequences")

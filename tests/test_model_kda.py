@@ -14,7 +14,8 @@ from minigraph.models.runner import Runner
 from refs.kda_ref import KdaRef
 from test_model_lfm import cache_rows, make_stream, one_cpu_thread, rollback_trial, run_stream, weights_of  # noqa: F401
 
-CFG = dict(n_vocab=64, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96)
+CFG = dict(n_vocab=64, n_embd=64, n_layer=2, n_head=2, head_dim=16, d_conv=4, n_ff=96,
+           head_count_kv=0)               # KDA blocks only (the reference's); MLA: see the end
 
 
 def kda(devices, seed=0, **kw):

@@ -25,7 +25,8 @@ KINDS = {
         n_group=2, devices=devices, seed=seed, layer_outputs=True, **kw), Mamba2Ref),
     "delta-net": (lambda devices, seed, n_layer, **kw: DeltaNetModel(
         n_vocab=N_VOCAB, n_embd=64, n_layer=n_layer, d_conv=4, head_dim=16, num_k_heads=2,
-        num_v_heads=4, n_ff=128, devices=devices, seed=seed, layer_outputs=True, **kw), DeltaNetRef),
+        num_v_heads=4, n_ff=128, full_attention_interval=0,     # delta-net blocks only (the reference's)
+        devices=devices, seed=seed, layer_outputs=True, **kw), DeltaNetRef),
 }
 
 

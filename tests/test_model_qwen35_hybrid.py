@@ -58,7 +58,10 @@ def test_attention_blocks_follow_llama_cpp_rule_and_get_a_hybrid_memory():
     assert isinstance(r.memory, HybridMemory)
     assert r.memory.kv.layers == [1, 3] and r.memory.recurrent.layers == [0, 2]
     assert DeltaNetHybridModel().attn_layers == (3,)
-    assert DeltaNetModel().attn_layers == () and "full_attention_interval" not in DeltaNetModel().hparams
+    # the default is hybrid as llama.cpp's files are (2 blocks: delta-net, attention); 0: none
+    assert DeltaNetModel().attn_layers == (1,) and DeltaNetModel(n_layer=1).attn_layers == ()
+    assert DeltaNetModel(n_layer=8).attn_layers == (3, 7)
+    assert DeltaNetModel(full_attention_interval=0).attn_layers == ()
 
 
 def test_delta_net_l2_norm_is_llama_cpps():
@@ -146,7 +149,7 @@ def test_gguf_round_trip_llama_cpp_keys_only(tmp_path, layout):
 
 def test_a_file_without_attention_blocks_still_loads_as_recurrent_only(tmp_path):
     cpu = mg.backend("cpu")
-    m = DeltaNetModel(n_vocab=40, n_embd=32, head_dim=8, n_ff=48, devices=cpu, seed=1)
+    m = DeltaNetModel(n_vocab=40, n_embd=32, head_dim=8, n_ff=48, full_attention_interval=0, devices=cpu, seed=1)
     back = load_gguf(save_gguf(m, tmp_path / "r.gguf", embed_hparams=False), devices=cpu)
     assert back.attn_layers == ()
     a, b = logits_of(m), logits_of(back)

@@ -4,7 +4,8 @@ being killed by the kernel's out-of-memory killer halfway through.
 
 What is counted (f32 everywhere):
   weights         measured on a one- and a two-layer probe of the model, scaled to n_layer
-  recurrent state n_layer x mem_size x (n_rs_seq + 1) rows x (n_embd_r + n_embd_s) x 4 bytes,
+  recurrent state n_layer x mem_size x (n_rs_seq + 1) rows x (n_embd_r + n_embd_s of the widest
+                  layer) x 4 bytes,
                   once per runner the command makes (run: 2, reuse: 3) plus one full copy per
                   runner that validates or snapshots
   compute         n_ubatch tokens x (n_vocab + 16 n_embd) x 4 bytes x 4 (activations, logits)
@@ -42,7 +43,9 @@ def _probe(make_probe, n_layer: int):
     import minigraph as mg
     model = make_probe(mg.backend("ref"), n_layer)
     weights = sum(t.nbytes() for t in model.gguf_tensors().values())
-    row = sum(_width(model, w, il) for il in model.layers for w in ("n_embd_r", "n_embd_s"))
+    # the widest layer's row: a hybrid probe's attention layers keep no recurrent row, so a
+    # difference of the two probes' sums could be 0; every layer counted as the widest is an upper bound
+    row = max(sum(_width(model, w, il) for w in ("n_embd_r", "n_embd_s")) for il in model.layers)
     return weights, row, model
 
 
@@ -57,7 +60,7 @@ def estimate(make_probe, n_layer: int, n_rs_seq: int, n_ubatch: int, runners: in
     built to separate the per-layer weights from the embedding and head)."""
     w1, row1, m = _probe(make_probe, 1)
     w2, row2, _ = _probe(make_probe, 2)
-    per_layer_w, per_layer_row = w2 - w1, row2 - row1
+    per_layer_w, per_layer_row = w2 - w1, max(row1, row2)
     weights = w1 + (n_layer - 1) * per_layer_w
     state = n_layer * MEM_SIZE * (n_rs_seq + 1) * per_layer_row * F32
     compute = n_ubatch * (m.n_vocab + 16 * m.n_embd) * F32 * 4
