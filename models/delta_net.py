@@ -180,6 +180,7 @@ class DeltaNetModel(RecurrentModel):
     runs only hybrid qwen35 files), vocab 64, d_conv 4, head dim 16, 2 k heads, 4 v heads
     (d_inner 64), n_ff 128: conv channels 128, n_embd_r 384, n_embd_s 1024 per delta-net layer."""
     arch = "qwen35"
+    k_shift = "refuse"         # multi-section rope: llama.cpp cannot shift cached keys (models.k_shift)
 
     def __init__(self, n_vocab=64, n_embd=64, n_layer=2, d_conv=4, head_dim=16, num_k_heads=2,
                  num_v_heads=4, n_ff=128, eps=1e-6, full_attention_interval=None, n_head=4, n_head_kv=2,

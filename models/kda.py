@@ -163,6 +163,7 @@ class KDAModel(RecurrentModel):
     `hparams` holds the constructor's structural arguments; `gguf_tensors()` the weights by GGUF name."""
 
     arch = "kimi-linear"
+    k_shift = None                           # no rope on MLA keys: a shift only renumbers cells
     residual_first = True
     layer_output_names = ("mixer", "l_out")
 

@@ -98,7 +98,10 @@ class KVCells:
     def pos_div(self, i: int, d: int):
         old = self.pos[i]
         self.pos[i] = old // d
-        self.shift[i] += self.pos[i] - old
+        # llama.cpp's llama_kv_cells::pos_div records old - new, the opposite sign of pos_add's
+        # (the K shift then rotates these keys forward by the distance, not back); kept as it
+        # is so the cache matches llama.cpp's after a seq_div (tests/test_llama_oracle_lfm2.py)
+        self.shift[i] += old - self.pos[i]
         self.has_shift = True
 
     def seq_pos(self, seq: int) -> list[int]:

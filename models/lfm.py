@@ -114,6 +114,7 @@ class LFM2Model(RecurrentModel):
 
     arch = "lfm2"
     residual_first = True                    # llama.cpp's lfm2: add(prev_cur, cur)
+    k_shift = "rope"                         # cached keys re-rotated after seq_add (models.k_shift)
     layer_output_names = ("mixer", "l_out")
 
     DEFAULT_N_LAYER = 3
@@ -197,6 +198,16 @@ class LFM2Model(RecurrentModel):
 
     def n_embd_v_gqa(self, il):
         return self.head_dim * self.head_count_kv[il]
+
+    def k_shift_dims(self, il):
+        """(rotated dims, K heads, head size) of layer il's cached keys."""
+        return self.head_dim, self.head_count_kv[il], self.head_dim
+
+    def rope_shift(self, k, shift, il):
+        """Layer il's keys k [head_dim, n_head_kv, kv_size] rotated by shift [kv_size] positions,
+        with the graph's own rope (llama.cpp's build_rope_shift)."""
+        return mg.rope_ext(k, shift, None, self.head_dim, ROPE_TYPE_NEOX, self.n_ctx_train, self.rope_freq_base,
+                           1.0, 0.0, 1.0, 32.0, 1.0)
 
     def build_layer(self, g, inp_rs, cur, il):
         return build_shortconv_layer(g, inp_rs, g.mctx.r_l[il], self.layer_w[il], cur, self.n_embd, self.l_cache)

@@ -28,6 +28,7 @@ from minigraph.sched import is_view_op
 from .batch import Batch, BatchAllocr
 from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult, ReuseVerdict
 from .hybrid_memory import HybridMemory
+from .k_shift import apply_k_shift, check_can_shift
 from .kv_cache import KVCache
 from .memory import RecurrentMemory
 from .step_journal import JOURNALS
@@ -301,6 +302,7 @@ class Runner:
     # -- batches ----------------------------------------------------------------------------
     def decode(self, batch: Batch) -> np.ndarray:
         """Decode a batch; returns logits [n_tokens, n_vocab] in the batch's token order."""
+        apply_k_shift(self.model, getattr(self.memory, "kv", None), self.backends)   # a pending seq_add / seq_div
         allocr = BatchAllocr(batch)
         ubatches = allocr.split_all("equal", self.n_ubatch, sequential=True,
                                     n_keep_tail=self.K if self.n_rs_seq > 0 else 0)
@@ -321,6 +323,15 @@ class Runner:
 
     def next_pos(self, seq: int) -> int:
         return self.memory.seq_pos_max(seq) + 1
+
+    # -- position changes (llama_memory_seq_add / seq_div): the K shift runs before the next graph
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int):
+        check_can_shift(self.model, f"seq_add(seq {seq}, [{p0}, {p1}), {delta:+d})")
+        self.memory.seq_add(seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int):
+        check_can_shift(self.model, f"seq_div(seq {seq}, [{p0}, {p1}), /{d})")
+        self.memory.seq_div(seq, p0, p1, d)
 
     def decode_seq_tokens(self, seq_tokens: dict) -> dict:
         """Decode {seq: [tokens]} continuing each sequence; returns {seq: logits [n, n_vocab]}."""

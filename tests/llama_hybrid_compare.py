@@ -20,7 +20,8 @@ N_RS_SEQ = 3
 BOUND = 1e-5            # f32 KV cache on both sides: max |minigraph - llama.cpp| / max |llama.cpp| per call
 BOUND_F16 = 2e-3        # llama.cpp's default f16 KV cache
 PROMPT = [3, 17, 5, 40, 11, 2, 29, 8, 33, 14, 6]       # 11 tokens: ubatches of 8 and 3
-# (name, n_seq_max, calls): ("decode", {seq: tokens}) or ("draft", seq, draft, n_accept)
+# (name, n_seq_max, calls): ("decode", {seq: tokens}) or ("draft", seq, draft, n_accept); the
+# K-shift scenarios (rope models) also ("seq_add", seq, p0, p1, delta) / ("seq_div", seq, p0, p1, d)
 SCENARIOS = [
     ("prefill", 1, [("decode", {0: PROMPT})]),
     ("decode", 1, [("decode", {0: PROMPT[:5]})] + [("decode", {0: [t]}) for t in [9, 21, 1, 47, 0, 30]]),
@@ -29,6 +30,18 @@ SCENARIOS = [
      + [("decode", {1: [7, 8, 9]}), ("decode", {0: [12], 1: [13]})]),
     ("draft rolled back", 1, [("decode", {0: PROMPT[:6]}), ("draft", 0, [19, 23, 29, 31], 2),
                               ("decode", {0: [2]}), ("decode", {0: [4]})]),
+]
+
+
+# positions moved by seq_add / seq_div, then decoded on: llama.cpp re-rotates the cached keys
+# before the next graph (its K shift); minigraph must do the same (models/k_shift.py)
+K_SHIFT_SCENARIOS = [
+    ("seq_add whole sequence", 1, [("decode", {0: PROMPT}), ("seq_add", 0, 0, -1, 7), ("decode", {0: [4]}),
+                                   ("decode", {0: [9, 1]})]),
+    ("seq_add one of two", 2, [("decode", {0: PROMPT[:6], 1: PROMPT[5:]}), ("seq_add", 1, 0, -1, 5),
+                               ("decode", {0: [1], 1: [2]}), ("seq_add", 0, 0, -1, -3), ("decode", {0: [3], 1: [4]})]),
+    ("seq_add a gap", 1, [("decode", {0: PROMPT}), ("seq_add", 0, 4, -1, 3), ("decode", {0: [4, 5]})]),
+    ("seq_div", 1, [("decode", {0: PROMPT}), ("seq_div", 0, 0, -1, 2), ("decode", {0: [4]})]),
 ]
 
 
@@ -77,6 +90,9 @@ with lo.LlamaOracle(path, n_ubatch=n_ubatch, n_seq_max=n_seq + (spare is not Non
     for c in calls:
         if c[0] == "decode":
             res.append(ll.decode({int(k): v for k, v in c[1].items()}))
+        elif c[0] in ("seq_add", "seq_div"):      # llama_memory_seq_add / _div: the K shift runs lazily
+            getattr(L, "llama_memory_" + c[0])(ll.mem, *c[1:])
+            res.append({})
         else:
             res.append({c[1]: ll.speculative_step(c[1], c[2], c[3], spare=spare)})
 pickle.dump(res, open(out, "wb"))
@@ -114,6 +130,9 @@ def minigraph_side(path, n_seq, calls):
     for c in calls:
         if c[0] == "decode":
             res.append(r.decode_seq_tokens(c[1]))
+        elif c[0] in ("seq_add", "seq_div"):
+            getattr(r, c[0])(*c[1:])
+            res.append({})
         else:
             _, seq, draft, n_accept = c
             res.append({seq: r.decode_seq_tokens({seq: draft})[seq]})

@@ -19,8 +19,9 @@ from minigraph.models.gguf_io import save_gguf
 from minigraph.models.kda import KDAModel
 from minigraph.testing import llama_oracle as lo
 
-from llama_hybrid_compare import (BOUND, BOUND_F16, N_UBATCH, SCENARIOS, compare, llama_f16, llama_f32,  # noqa: F401
-                                  llama_installed, minigraph_side, one_cpu_thread)  # (autouse fixtures)
+from llama_hybrid_compare import (BOUND, BOUND_F16, K_SHIFT_SCENARIOS, N_UBATCH, SCENARIOS, compare,  # noqa: F401
+                                  llama_f16, llama_f32, llama_installed, minigraph_side,
+                                  one_cpu_thread)  # (autouse fixtures)
 
 pytestmark = pytest.mark.llama
 
@@ -61,6 +62,17 @@ def test_kimi_linear_mla_matches_llama_cpp_default_f16_kv(files, scenario):
         assert ll.info()["hybrid"]
     compare(RESULTS, ("llama.cpp-like", "f16 kv", scenario), minigraph_side(path, n_seq, calls),
             llama_f16(path, n_seq, calls, n_rs_seq=0), BOUND_F16)
+
+
+@pytest.mark.parametrize("scenario", [s[0] for s in K_SHIFT_SCENARIOS])
+def test_positions_moved_by_seq_add_match_llama_cpp(files, tmp_path, scenario):
+    """Kimi's MLA keys carry no rope: seq_add / seq_div only renumber the cells (no K shift).
+    On the MLA-last layout: llama.cpp 0.3.36 aborts on "seq_add one of two" with the every-2nd
+    file (an MLA block before a KDA block, two sequences: GGML_ASSERT(ggml_can_repeat(b, a)))."""
+    _, n_seq, calls = next(s for s in K_SHIFT_SCENARIOS if s[0] == scenario)
+    path = files["llama.cpp-like"]
+    compare(RESULTS, ("llama.cpp-like", "f32 kv", scenario), minigraph_side(path, n_seq, calls),
+            llama_f32(path, n_seq, calls, tmp_path, n_rs_seq=0), BOUND)
 
 
 def test_zz_summary(capsys):

@@ -12,6 +12,7 @@ the harness in a worker of its own that sets type_k / type_v; the default-f16 co
 
 Not installed: the module skips, saying how to install and run it."""
 
+import numpy as np
 import pytest
 
 import minigraph as mg
@@ -19,8 +20,9 @@ from minigraph.models.gguf_io import save_gguf
 from minigraph.models.lfm import LFM2Model
 from minigraph.testing import llama_oracle as lo
 
-from llama_hybrid_compare import (BOUND, BOUND_F16, N_UBATCH, SCENARIOS, compare, llama_f16, llama_f32,  # noqa: F401
-                                  llama_installed, minigraph_side, one_cpu_thread)  # (autouse fixtures)
+from llama_hybrid_compare import (BOUND, BOUND_F16, K_SHIFT_SCENARIOS, N_UBATCH, SCENARIOS, compare,  # noqa: F401
+                                  llama_f16, llama_f32, llama_installed, minigraph_side,
+                                  one_cpu_thread)  # (autouse fixtures)
 
 pytestmark = pytest.mark.llama
 
@@ -54,6 +56,49 @@ def test_hybrid_lfm2_matches_llama_cpp_default_f16_kv(files, scenario):
         assert ll.info()["hybrid"]
     compare(RESULTS, ("llama.cpp-like", "f16 kv", scenario), minigraph_side(path, n_seq, calls),
             llama_f16(path, n_seq, calls), BOUND_F16)
+
+
+@pytest.mark.parametrize("scenario", [s[0] for s in K_SHIFT_SCENARIOS])
+@pytest.mark.parametrize("pattern", ["llama.cpp-like", "mqa-last"])
+def test_k_shift_after_seq_add_matches_llama_cpp(files, tmp_path, pattern, scenario):
+    """seq_add / seq_div move cached positions; the next decode sees keys re-rotated by the
+    distance (llama.cpp's K shift). Without the shift the logits would differ (checked)."""
+    _, n_seq, calls = next(s for s in K_SHIFT_SCENARIOS if s[0] == scenario)
+    path = files[pattern]
+    got = minigraph_side(path, n_seq, calls)
+    compare(RESULTS, (pattern, "f32 kv", scenario), got, llama_f32(path, n_seq, calls, tmp_path), BOUND)
+    import minigraph.models.k_shift as ks
+    saved = ks.apply_k_shift
+    try:                 # the same calls with the shift skipped (positions renumbered only): differs
+        ks_calls = []
+
+        def skip(model, kv, backends):
+            if kv is not None and kv.cells.has_shift:
+                ks_calls.append(1)
+                kv.cells.shift, kv.cells.has_shift = [0] * kv.size, False
+            return False
+        import minigraph.models.runner as runner_mod
+        runner_mod.apply_k_shift = skip
+        unshifted = minigraph_side(path, n_seq, calls)
+    finally:
+        runner_mod.apply_k_shift = saved
+    assert ks_calls
+    last = next(i for i in range(len(calls) - 1, -1, -1) if calls[i][0] == "decode")
+    s = next(iter(calls[last][1]))
+    assert not np.allclose(got[last][s], unshifted[last][s], rtol=1e-4, atol=1e-4)
+
+
+def test_k_shift_of_a_multi_section_rope_is_refused_before_anything_changes(tmp_path):
+    """qwen35's keys carry a multi-section rope, which llama.cpp does not re-rotate (it aborts
+    on the pending shift); minigraph refuses the seq_add itself, with nothing changed."""
+    from minigraph.models.delta_net import DeltaNetModel
+    from minigraph.models.k_shift import KShiftRefused
+    from minigraph.models.runner import Runner
+    r = Runner(DeltaNetModel(n_vocab=48, devices=mg.backend("cpu"), seed=1), mem_size=1)
+    r.decode_seq_tokens({0: [1, 2, 3]})
+    with pytest.raises(KShiftRefused, match=r"qwen35 cannot move cached positions") as e:
+        r.seq_add(0, 0, -1, 4)
+    assert "\n" not in str(e.value) and r.next_pos(0) == 3 and not r.memory.kv.cells.has_shift
 
 
 def test_zz_summary(capsys):
