@@ -16,9 +16,10 @@ from .kv_cache import GGML_KQ_MASK_PAD, KVCache, pad_to
 
 class InputAttnKV(GraphInput):
     """llm_graph_input_attn_kv: the cells of the ubatch's tokens (k_idxs, and v_idxs into the
-    transposed V: one index per token and value channel) and the mask [n_kv, n_tokens] (rows padded to GGML_KQ_MASK_PAD)."""
+    transposed V: one index per token and value channel, one input per V width the layers have)
+    and the mask [n_kv, n_tokens] (rows padded to GGML_KQ_MASK_PAD)."""
 
-    def __init__(self, kv: KVCache, k_idxs: mg.Tensor, v_idxs: mg.Tensor, kq_mask: mg.Tensor, causal: bool):
+    def __init__(self, kv: KVCache, k_idxs: mg.Tensor, v_idxs: dict, kq_mask: mg.Tensor, causal: bool):
         self.kv = kv
         self.self_k_idxs, self.self_v_idxs, self.self_kq_mask = k_idxs, v_idxs, kq_mask
         self.causal = causal
@@ -27,23 +28,26 @@ class InputAttnKV(GraphInput):
         kv = self.kv
         idxs = np.asarray(kv.idxs, np.int64)
         self.self_k_idxs.set(idxs)
-        if self.self_v_idxs is not None:
-            self._set_v_idxs(kv, idxs)
+        for width, t in self.self_v_idxs.items():
+            self._set_v_idxs(kv, idxs, width, t)
         self.self_kq_mask.set(kq_mask_values(kv, ubatch, self.self_kq_mask.ne[0], self.self_kq_mask.ne[1],
                                              self.causal))
 
-    def _set_v_idxs(self, kv, idxs):
-        # token t, channel ch of v_cur (element t*n_embd_v + ch) -> element ch*kv_size + cell
-        ch = np.arange(kv.n_embd_v_max, dtype=np.int64)
-        self.self_v_idxs.set((ch[None, :] * kv.size + idxs[:, None]).reshape(-1))
+    @staticmethod
+    def _set_v_idxs(kv, idxs, width: int, t: mg.Tensor):
+        # token t, channel ch of v_cur (element t*width + ch) -> element ch*kv_size + cell
+        ch = np.arange(width, dtype=np.int64)
+        t.set((ch[None, :] * kv.size + idxs[:, None]).reshape(-1))
 
     def can_reuse(self, params):
         kv = params.mctx.kv                         # rebind first, as InputRS does
         self.kv = kv
         n_tokens = params.ubatch.n_tokens
-        n_v = 0 if self.self_v_idxs is None else self.self_v_idxs.ne[0]
+        if sorted(self.self_v_idxs) != kv.v_widths:
+            return _differs("v_idxs (V widths)", sorted(self.self_v_idxs), kv.v_widths)
+        n_v = sum(t.ne[0] for t in self.self_v_idxs.values())
         for rule, old, new in (("k_idxs (n_tokens)", self.self_k_idxs.ne[0], n_tokens),
-                               ("v_idxs (n_tokens)", n_v, n_tokens * kv.n_embd_v_max),
+                               ("v_idxs (n_tokens)", n_v, n_tokens * sum(kv.v_widths)),
                                ("kq_mask (n_kv)", self.self_kq_mask.ne[0], kv.n_kv),
                                ("kq_mask (n_tokens)", self.self_kq_mask.ne[1],
                                 pad_to(n_tokens, GGML_KQ_MASK_PAD))):
@@ -74,9 +78,10 @@ def build_attn_inp_kv(g, kv: KVCache, causal: bool = True) -> InputAttnKV:
     n_tokens = g.n_tokens
     ctx = g.ctx0
     k_idxs = ctx.new_tensor_1d(mg.i64, n_tokens).set_name("inp_k_idxs").set_input()
-    v_idxs = None                # a cache of K-only layers (MLA) has no V to store
-    if kv.n_embd_v_max:
-        v_idxs = ctx.new_tensor_1d(mg.i64, n_tokens * kv.n_embd_v_max).set_name("inp_v_idxs").set_input()
+    # one v_idxs per V width (a cache of K-only layers, MLA, has none)
+    v_idxs = {w: ctx.new_tensor_1d(mg.i64, n_tokens * w).set_name("inp_v_idxs" if len(kv.v_widths) == 1
+                                                                   else f"inp_v_idxs_{w}").set_input()
+              for w in kv.v_widths}
     mask = ctx.new_tensor_2d(mg.f32, kv.n_kv, pad_to(n_tokens, GGML_KQ_MASK_PAD)).set_name("inp_kq_mask").set_input()
     inp = InputAttnKV(kv, k_idxs, v_idxs, mask, causal)
     g.res.inputs.append(inp)
@@ -127,7 +132,7 @@ def build_attn(g, inp: InputAttnKV, q_cur, k_cur, v_cur, n_head: int, n_head_kv:
     kv = inp.kv
     n_tokens = q_cur.ne[2]
     g.gf.build_forward_expand(cpy_k(kv, k_cur, inp.self_k_idxs, il))
-    g.gf.build_forward_expand(cpy_v(kv, v_cur, inp.self_v_idxs, il))
+    g.gf.build_forward_expand(cpy_v(kv, v_cur, inp.self_v_idxs[kv.n_embd_v[il]], il))
     q = mg.permute(q_cur, 0, 2, 1, 3)                                # [d, n_tokens, n_head]
     k = mg.permute(get_k(kv, il, n_head_kv), 0, 2, 1, 3)             # [d, n_kv, n_head_kv]
     v = mg.permute(get_v(kv, il, n_head_kv), 0, 2, 1, 3)             # [n_kv, d_v, n_head_kv]

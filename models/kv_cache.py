@@ -125,8 +125,7 @@ class KVCache:
 
     layers   : attention layer indices
     n_embd_k : int or callable il -> int (n_embd_head_k * n_head_kv)
-    n_embd_v : int or callable il -> int (n_embd_head_v * n_head_kv; one width for all layers
-               that store V, because the v_idxs input is shared by every layer; 0: K only)
+    n_embd_v : int or callable il -> int (n_embd_head_v * n_head_kv, per layer; 0: K only)
     kv_size  : cells
     devices  : one backend, or a dict il -> backend (each layer's K/V on its layer's device)
     n_seq_max: sequence ids must be < n_seq_max
@@ -147,11 +146,10 @@ class KVCache:
         self.n_pad = int(n_pad)
         self.n_embd_k = {il: per_layer(n_embd_k, il) for il in self.layers}
         self.n_embd_v = {il: per_layer(n_embd_v, il) for il in self.layers}
-        widths = set(self.n_embd_v.values()) - {0}
-        if len(widths) > 1:
-            raise ValueError(f"kv cache: layers have different n_embd_v {sorted(widths)} (rule: the "
-                             "shared v_idxs input needs one width)")
-        self.n_embd_v_max = max(widths) if widths else 0
+        # the V widths in use: the graph has one v_idxs input per width (llama.cpp pads every V
+        # to the widest instead; the values read back are the same)
+        self.v_widths = sorted(set(self.n_embd_v.values()) - {0})
+        self.n_embd_v_max = max(self.v_widths) if self.v_widths else 0
         self.devices = layer_devices(self.layers, devices, "kv cache")
 
         self.k_l: dict[int, mg.Tensor] = {}

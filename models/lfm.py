@@ -84,8 +84,8 @@ def build_attn_block(g, inp_attn, inp_pos: mg.Tensor, w: dict, cur: mg.Tensor, i
 def check_head_counts(n_embd: int, n_head: int, hkv: list, key: str = "") -> list:
     """The rules on a per-layer K/V head count list (one entry per block; 0 = short conv), for the
     model and for GGUF files alike (``key`` prefixes the key names, e.g. "lfm2."): each entry 0 or
-    a divisor of head_count, head_count dividing the embedding, one K/V head count for every
-    attention block. Returns hkv; raises ValueError naming the key and the rule."""
+    a divisor of head_count, head_count dividing the embedding (attention blocks may differ in
+    their K/V head counts). Returns hkv; raises ValueError naming the key and the rule."""
     if any(hkv):
         if n_head <= 0 or n_embd % n_head:
             raise ValueError(f"lfm2: {key}attention.head_count {n_head} must divide {key}embedding_length {n_embd}")
@@ -94,9 +94,6 @@ def check_head_counts(n_embd: int, n_head: int, hkv: list, key: str = "") -> lis
             il, x = bad[0]
             raise ValueError(f"lfm2: {key}attention.head_count_kv[{il}] = {x}, expected 0 (short conv) or a "
                              f"divisor of {key}attention.head_count {n_head}")
-    if len(set(hkv) - {0}) > 1:         # the KV cache's shared v_idxs input needs one V width
-        raise ValueError(f"lfm2: {key}attention.head_count_kv {hkv} mixes K/V head counts, expected one "
-                         "value for every attention block (the KV cache has one V width)")
     return hkv
 
 

@@ -132,9 +132,18 @@ def test_state_round_trip_of_one_sequence_and_refusals():
         kv().state_read(1, b"nope")
 
 
-def test_layers_need_one_v_width():
-    with pytest.raises(ValueError, match="different n_embd_v"):
-        KVCache([0, 1], 4, lambda il: 4 + il, 8, mg.backend("cpu"))
+def test_layers_may_differ_in_v_width_and_k_only_layers_have_no_v():
+    c = KVCache([0, 1, 2], lambda il: 4 + il, lambda il: [4, 6, 0][il], 8, mg.backend("cpu"))
+    assert c.v_widths == [4, 6] and c.v_l[2] is None
+    assert [t.ne[:2] for t in c.tensors()] == [(4, 8), (4, 8), (5, 8), (6, 8), (6, 8)]
+    u = ub(([0], [0, 1]))
+    c.place(u)
+    k, v = np.arange(6, dtype=np.float32).reshape(2, 3) + 1, np.ones((2, 6), np.float32)
+    c.write_cells(1, c.idxs, np.tile(k, 2)[:, :5], v)
+    assert np.array_equal(c.v_rows(1, c.idxs), v) and c.v_rows(2, c.idxs).shape == (2, 0)
+    back = KVCache([0, 1, 2], lambda il: 4 + il, lambda il: [4, 6, 0][il], 8, mg.backend("cpu"))
+    assert back.state_read(-1, c.state_write()) == 2
+    assert np.array_equal(back.k_rows(1, c.idxs), c.k_rows(1, c.idxs))
 
 
 class _Mem:
@@ -147,7 +156,7 @@ def test_attn_input_reuse_verdict_names_the_rule():
     u = ub(([0], [0, 1]))
     c.place(u)
     ctx = mg.Context()
-    inp = InputAttnKV(c, ctx.new_tensor_1d(mg.i64, 2), ctx.new_tensor_1d(mg.i64, 8),
+    inp = InputAttnKV(c, ctx.new_tensor_1d(mg.i64, 2), {c.n_embd_v_max: ctx.new_tensor_1d(mg.i64, 2 * c.n_embd_v_max)},
                       ctx.new_tensor_2d(mg.f32, c.n_kv, pad_to(2, GGML_KQ_MASK_PAD)), True)
     params = lambda u: GraphParams("x", u, _Mem(c), 0, "per-layer", u.n_tokens)
     assert inp.can_reuse(params(u))

@@ -26,7 +26,8 @@ from llama_hybrid_compare import (BOUND, BOUND_F16, K_SHIFT_SCENARIOS, N_UBATCH,
 
 pytestmark = pytest.mark.llama
 
-PATTERNS = {"llama.cpp-like": [0, 2, 0, 0, 2, 0], "attn-first": [2, 0, 0, 2], "mqa-last": [0, 0, 1]}
+PATTERNS = {"llama.cpp-like": [0, 2, 0, 0, 2, 0], "attn-first": [2, 0, 0, 2], "mqa-last": [0, 0, 1],
+            "mixed-kv-heads": [4, 0, 2, 0, 1]}      # K/V head counts differ per block (llama.cpp pads V)
 RESULTS: dict = {}      # (pattern, kv type, scenario) -> max relative error
 
 
