@@ -137,7 +137,7 @@ def build_attn(g, inp: InputAttnKV, q_cur, k_cur, v_cur, n_head: int, n_head_kv:
     k = mg.permute(get_k(kv, il, n_head_kv), 0, 2, 1, 3)             # [d, n_kv, n_head_kv]
     v = mg.permute(get_v(kv, il, n_head_kv), 0, 2, 1, 3)             # [n_kv, d_v, n_head_kv]
     kq = mg.mul_mat(k, q)                                            # [n_kv, n_tokens, n_head]
-    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0)
+    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0).set_name(f"kq_soft_max_l{il}")
     kqv = mg.mul_mat(v, kq)                                          # [d_v, n_tokens, n_head]
     cur = mg.permute(kqv, 0, 2, 1, 3)                                # [d_v, n_head, n_tokens]
     return mg.cont_2d(cur, cur.ne[0] * n_head, n_tokens)
@@ -159,7 +159,7 @@ def build_attn_k(g, inp: InputAttnKV, q_cur, k_cur, v_width: int, v_mla: mg.Tens
     k = mg.permute(k_all, 0, 2, 1, 3)                                # [D, n_kv, 1]
     v = mg.cont(mg.transpose(mg.permute(v, 0, 2, 1, 3)))             # [n_kv, v_width, 1]
     kq = mg.mul_mat(k, q)                                            # [n_kv, n_tokens, n_head]
-    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0)
+    kq = mg.soft_max_ext(kq, inp.self_kq_mask, scale, 0.0).set_name(f"kq_soft_max_l{il}")
     kqv = mg.mul_mat(v, kq)                                          # [v_width, n_tokens, n_head]
     kqv = mg.mul_mat(v_mla, kqv)                                     # [d_v, n_tokens, n_head]
     cur = mg.permute(kqv, 0, 2, 1, 3)                                # [d_v, n_head, n_tokens]

@@ -275,6 +275,24 @@ def test_cli_placement_and_reuse_of_the_default_lfm():
     assert "validator: pass" in p.stdout
 
 
+def test_cli_placement_summarises_kv_stores_and_masks_per_device():
+    """One line per K/V store (its device and the index input it reads, copied or not) and per
+    mask read, as the conv stores have; the JSON carries the same (kv_stores, kq_masks)."""
+    p = cli("placement", "lfm", "--devices", "cpu:1,cpu:0", "--layers", "6")
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [line.split() for line in p.stdout.splitlines() if line.startswith(("  cache_", "  kq_mask"))]
+    stores = {x[0]: x for x in lines if x[0].startswith(("cache_k_l", "cache_v_l"))}
+    assert set(stores) == {"cache_k_l1", "cache_v_l1", "cache_k_l4", "cache_v_l4"}
+    assert stores["cache_k_l1"][3] == "cpu:1" and stores["cache_k_l4"][3] == "cpu:0"
+    assert "copied as cpu:1#inp_k_idxs#0" in " ".join(stores["cache_k_l1"])      # the index input lives on the host
+    assert " ".join(stores["cache_k_l4"]).endswith("from cpu:0, not copied")
+    masks = [x for x in lines if x[0] == "kq_mask"]
+    assert [m[3] for m in masks] == ["cpu:1", "cpu:0"] and masks[0][5] == "kq_soft_max_l1:"
+    out = json.loads(cli("placement", "lfm", "--devices", "cpu:1,cpu:0", "--layers", "6", "--json").stdout)
+    assert [k["tensor"] for k in out["kv_stores"]] == ["cache_k_l1", "cache_v_l1", "cache_k_l4", "cache_v_l4"]
+    assert [(m["device"], m["mask"]["copied"]) for m in out["kq_masks"]] == [("cpu:1", True), ("cpu:0", False)]
+
+
 @pytest.mark.parametrize("pattern", ["conv-attn-conv", "attn-first"])
 def test_cli_runs_a_hybrid_gguf_file(tmp_path, pattern):
     path = save_gguf(model(mg.backend("cpu"), PATTERNS[pattern]), tmp_path / "h.gguf")

@@ -93,17 +93,49 @@ def _placement(model, devices, args, strategy):
             info.update(slot_order=orig.name or orig.label, order_device=sched.backend_of(orig).name,
                         copied=orig is not order, copy=order.name if orig is not order else "")
         layers.append(info)
+    kv_stores, kq_masks = _kv_placement(res.gf, sched)
     slot_copies = [c for c in rep.copies if c.reason == "slot order"]
     n_reduce, reduce_bytes = planned_allreduces(devices, res.gf, sched.scheduled)
     return res, rep, {
         "slot_order_copies": len(slot_copies), "copies": rep.n_copies, "copy_bytes": rep.copy_bytes,
         "all_reduces": n_reduce, "all_reduce_bytes": reduce_bytes,
         "transfers": rep.n_copies + n_reduce, "transfer_bytes": rep.copy_bytes + reduce_bytes,
-        "splits": len(rep.splits), "layers": layers,
+        "splits": len(rep.splits), "layers": layers, "kv_stores": kv_stores, "kq_masks": kq_masks,
         "slot_order_copy_list": [{"copy": c.copy, "tensor": c.tensor, "src_device": c.src_device,
                                   "dst_device": c.dst_device, "nbytes": c.nbytes,
                                   "used_by_splits": c.used_by_splits} for c in slot_copies],
     }
+
+
+def _read_as(sched, n, role: str) -> dict:
+    """What node n reads as `role` under the schedule: the tensor's name, where it was made, and
+    the copy it reads when the two devices differ."""
+    got = sched.scheduled.srcs_of(n).get(role)
+    if got is None:
+        return {"name": "", "device": "", "copied": False, "copy": ""}
+    orig = sched.copy_src.get(got.id, got)
+    return {"name": orig.name or orig.label, "device": sched.backend_of(orig).name,
+            "copied": orig is not got, "copy": got.name if orig is not got else ""}
+
+
+def _kv_placement(gf, sched) -> tuple[list, list]:
+    """The attention layers' KV writes (SET_ROWS into cache_k_l* / cache_v_l*, with the index
+    input each reads) and their masks (each SOFT_MAX reading inp_kq_mask), per device."""
+    stores, masks = [], []
+    for n in gf.nodes:
+        dst = n.view_src if n.op == "SET_ROWS" else None
+        name = (dst.name or "") if dst is not None else ""
+        if name.startswith(("cache_k_l", "cache_v_l")):
+            stores.append({"tensor": name, "store_device": sched.backend_of(n).name, "idxs": _read_as(sched, n, "c")})
+        if n.op == "SOFT_MAX":
+            m = _read_as(sched, n, "mask")
+            if m["name"].startswith("inp_kq_mask"):
+                masks.append({"node": n.name or n.label, "device": sched.backend_of(n).name, "mask": m})
+    return stores, masks
+
+
+def _from(x: dict) -> str:
+    return f"{x['name']} from {x['device']}" + (f", copied as {x['copy']}" if x["copied"] else ", not copied")
 
 
 def _draw(res, args) -> list:
@@ -148,6 +180,10 @@ def cmd_placement(args):
             where = "no slot order (n_rs_seq = 0)" if not L["slot_order"] else \
                 f"slot order {L['slot_order']} on {L['order_device']}" + (f", copied as {L['copy']}" if L["copied"] else ", not copied")
             print(f"  {L['layer']:14s} store on {L['store_device']:7s} {where}")
+        for K in summary["kv_stores"]:
+            print(f"  {K['tensor']:14s} store on {K['store_device']:7s} index {_from(K['idxs'])}")
+        for M in summary["kq_masks"]:
+            print(f"  {'kq_mask':14s} read on {M['device']:8s} by {M['node']}: {_from(M['mask'])}")
         if not args.compare:
             print(rep.format(nodes=args.verbose))
             if rep.copies:
