@@ -102,6 +102,20 @@ def test_k_shift_of_a_multi_section_rope_is_refused_before_anything_changes(tmp_
     assert "\n" not in str(e.value) and r.next_pos(0) == 3 and not r.memory.kv.cells.has_shift
 
 
+@pytest.mark.parametrize("scenario", ["prefill", "two sequences", "draft rolled back"])
+def test_a_file_in_llama_cpps_converter_layout_matches_llama_cpp(tmp_path_factory, tmp_path, scenario):
+    """A file laid out as llama.cpp's converter writes LFM2 (tests/llama_layout.py: tied head, no
+    output.weight, gpt2 tokenizer keys, no minigraph.hparams): both run it, logits agree."""
+    from llama_layout import tie_output, write_lfm2_as_llama_cpp
+    m = LFM2Model(n_vocab=48, n_embd=64, n_layer=5, n_head=4, head_count_kv=[0, 4, 0, 2, 0],
+                  devices=mg.backend("cpu"), seed=9)
+    tie_output(m)
+    path = write_lfm2_as_llama_cpp(m, tmp_path_factory.mktemp("conv") / "lfm2-converter.gguf")
+    _, n_seq, calls = next(s for s in SCENARIOS if s[0] == scenario)
+    compare(RESULTS, ("converter-layout", "f32 kv", scenario), minigraph_side(path, n_seq, calls),
+            llama_f32(path, n_seq, calls, tmp_path), BOUND)
+
+
 def test_zz_summary(capsys):
     """Prints every comparison's worst relative error (run with -s to see it)."""
     with capsys.disabled():

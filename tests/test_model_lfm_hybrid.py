@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.models.gguf_io import GGUFError, load_gguf, read_metadata, save_gguf
+from minigraph.models.gguf_io import HPARAMS_KEY, GGUFError, load_gguf, read_metadata, save_gguf
 from minigraph.models.hybrid_memory import HybridMemory
 from minigraph.models.lfm import LFM2HybridModel, LFM2Model
 from minigraph.models import zoo
@@ -297,5 +297,29 @@ def test_cli_placement_summarises_kv_stores_and_masks_per_device():
 def test_cli_runs_a_hybrid_gguf_file(tmp_path, pattern):
     path = save_gguf(model(mg.backend("cpu"), PATTERNS[pattern]), tmp_path / "h.gguf")
     p = cli("run", "--gguf", str(path), "--steps", "6", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout)["state_check"] == "pass"
+
+
+def test_a_file_in_llama_cpps_converter_layout_loads_and_runs(tmp_path):
+    """The keys and names llama.cpp's converter writes (token_embd_norm as the final norm, a tied
+    head with no output.weight, a gpt2 tokenizer section, no minigraph.hparams): load_gguf gives
+    the model's own logits, the tokenizer keys survive a save, and `minigraph run lfm --gguf`
+    runs the file with its state check passing."""
+    from llama_layout import tie_output, write_lfm2_as_llama_cpp
+    cpu = mg.backend("cpu")
+    m = model(cpu, PATTERNS["mixed-kv-heads"])
+    tie_output(m)
+    path = write_lfm2_as_llama_cpp(m, tmp_path / "conv.gguf")
+    kv = read_metadata(path)
+    assert "output.weight" not in {t.name for t in __import__("gguf").GGUFReader(path).tensors}
+    assert HPARAMS_KEY not in kv and kv["tokenizer.ggml.model"] == "gpt2"
+    back = load_gguf(path, devices=cpu)
+    a, b = logits_of(m), logits_of(back)
+    for s in a:
+        assert np.array_equal(a[s], b[s])
+    again = read_metadata(save_gguf(back, tmp_path / "again.gguf"))
+    assert again["tokenizer.ggml.pre"] == "lfm2" and len(again["tokenizer.ggml.tokens"]) == 40
+    p = cli("run", "lfm", "--gguf", path, "--steps", "6", "--json")
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads(p.stdout)["state_check"] == "pass"
