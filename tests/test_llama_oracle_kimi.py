@@ -65,13 +65,12 @@ def test_kimi_linear_mla_matches_llama_cpp_default_f16_kv(files, scenario):
 
 
 @pytest.mark.parametrize("scenario", [s[0] for s in K_SHIFT_SCENARIOS])
-def test_positions_moved_by_seq_add_match_llama_cpp(files, tmp_path, scenario):
-    """Kimi's MLA keys carry no rope: seq_add / seq_div only renumber the cells (no K shift).
-    On the MLA-last layout: llama.cpp 0.3.36 aborts on "seq_add one of two" with the every-2nd
-    file (an MLA block before a KDA block, two sequences: GGML_ASSERT(ggml_can_repeat(b, a)))."""
+@pytest.mark.parametrize("pattern", ["llama.cpp-like", "every-2nd"])
+def test_positions_moved_by_seq_add_match_llama_cpp(files, tmp_path, pattern, scenario):
+    """Kimi's MLA keys carry no rope: seq_add / seq_div only renumber the cells (no K shift)."""
     _, n_seq, calls = next(s for s in K_SHIFT_SCENARIOS if s[0] == scenario)
-    path = files["llama.cpp-like"]
-    compare(RESULTS, ("llama.cpp-like", "f32 kv", scenario), minigraph_side(path, n_seq, calls),
+    path = files[pattern]
+    compare(RESULTS, (pattern, "f32 kv", scenario), minigraph_side(path, n_seq, calls),
             llama_f32(path, n_seq, calls, tmp_path, n_rs_seq=0), BOUND)
 
 

@@ -10,10 +10,12 @@ model minigraph writes to GGUF can be compared with what llama.cpp computes from
     probe("m.gguf")  -> Probe(ok, message)                             # load + one decode, isolated
 
 What it drives: `llama_model_load_from_file` (CPU only), `llama_init_from_model` with n_ctx,
-n_batch, n_ubatch, n_seq_max, n_rs_seq, n_threads, flash attention off/on, embeddings off;
+n_batch, n_ubatch, n_seq_max, n_rs_seq, n_threads, flash attention off/on, embeddings off, the
+K/V cache type (kv_f32: f32 instead of llama.cpp's default f16);
 `llama_batch_init` filled with tokens, positions, one sequence id per token and an output flag
 per token; `llama_decode`; `llama_get_logits_ith`; and the memory through `llama_get_memory`:
 `llama_memory_seq_rm` (rollback, whole-sequence removal), `llama_memory_seq_cp`,
+`llama_memory_seq_add` / `_div` (positions moved; llama.cpp shifts the cached keys lazily),
 `llama_memory_seq_pos_max`, `llama_memory_clear`.
 
 Drafts rolled back, two ways:
@@ -59,10 +61,12 @@ API = ("llama_backend_init", "llama_log_set", "llama_model_default_params", "lla
        "llama_model_get_vocab", "llama_vocab_n_tokens", "llama_n_rs_seq", "llama_n_seq_max", "llama_n_ubatch",
        "llama_n_batch", "llama_batch_init", "llama_batch_free", "llama_decode", "llama_get_logits_ith",
        "llama_get_memory", "llama_memory_clear", "llama_memory_seq_rm", "llama_memory_seq_cp",
-       "llama_memory_seq_pos_max", "llama_model_is_recurrent", "llama_model_is_hybrid")
+       "llama_memory_seq_pos_max", "llama_memory_seq_add", "llama_memory_seq_div", "llama_model_is_recurrent",
+       "llama_model_is_hybrid")
 # context-parameter fields set here (all present in 0.3.36's ctypes struct, n_rs_seq included)
 CPARAMS = ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_rs_seq", "n_threads", "n_threads_batch",
-           "flash_attn_type", "embeddings", "no_perf")
+           "flash_attn_type", "embeddings", "no_perf", "type_k", "type_v")
+GGML_TYPE_F32 = 0           # the K/V cache type kv_f32=True asks for (llama.cpp's default is f16)
 
 _DECODE_STATUS = {1: "no memory slot for the batch", 2: "aborted", -1: "invalid batch",
                   -2: "compute failed", -3: "compute failed (allocation)"}
@@ -208,7 +212,8 @@ class LlamaOracle:
     symbols); LlamaOracleProcess runs it apart."""
 
     def __init__(self, path, *, n_ctx: int = 512, n_batch: int = 256, n_ubatch: int = 8,
-                 n_seq_max: int = 1, n_rs_seq: int = 0, flash_attn: bool = False, n_threads: int = 1):
+                 n_seq_max: int = 1, n_rs_seq: int = 0, flash_attn: bool = False, n_threads: int = 1,
+                 kv_f32: bool = False):
         L = llama_cpp()
         self.L, self.path = L, str(path)
         self.model = self.ctx = None
@@ -226,6 +231,8 @@ class LlamaOracle:
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.flash_attn_type = 1 if flash_attn else 0          # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         cp.embeddings, cp.no_perf = False, True
+        if kv_f32:                       # K and V kept in f32 (minigraph's cache type), not f16
+            cp.type_k = cp.type_v = GGML_TYPE_F32
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
@@ -298,6 +305,13 @@ class LlamaOracle:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self.L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move seq's positions in [p0, p1) by delta (llama.cpp shifts the cached keys lazily)."""
+        self.L.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self.L.llama_memory_seq_div(self.mem, seq, p0, p1, d)
 
     def clear(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
@@ -452,7 +466,7 @@ class LlamaOracleProcess:
         self.close()
 
 
-_REMOTE = ("decode", "rollback", "seq_rm", "seq_cp", "checkpoint", "restore", "speculative_step", "clear",
+_REMOTE = ("decode", "rollback", "seq_rm", "seq_cp", "seq_add", "seq_div", "checkpoint", "restore", "speculative_step", "clear",
            "next_pos", "info")
 
 
