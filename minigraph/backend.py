@@ -33,11 +33,16 @@ class Buffer:
 
 def host_view(mem: np.ndarray, offs: int, t: Tensor) -> np.ndarray:
     """A NumPy-order strided view ([ne3, ne2, ne1, ne0]) of a tensor in host memory; reads of
-    overlapping windows are fine, and bounds were checked when the view was made."""
-    shape = tuple(reversed(t.ne))
+    overlapping windows are fine, and bounds were checked when the view was made. Block types
+    give their rows' raw bytes, [ne3, ne2, ne1, row bytes] (views keep whole blocks in dim 0)."""
+    if t.type.is_quantized:
+        shape = (t.ne[3], t.ne[2], t.ne[1], t.row_size())
+        strides = (t.nb[3], t.nb[2], t.nb[1], 1)
+    else:
+        shape, strides = tuple(reversed(t.ne)), tuple(reversed(t.nb))
     if t.nelements() == 0:
         return np.zeros(shape, t.type.np_dtype)
-    return np.ndarray(shape, t.type.np_dtype, buffer=mem, offset=offs, strides=tuple(reversed(t.nb)))
+    return np.ndarray(shape, t.type.np_dtype, buffer=mem, offset=offs, strides=strides)
 
 
 class Backend:

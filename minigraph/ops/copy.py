@@ -38,7 +38,7 @@ def _ggml_cpy(g, node, src):
 _T = "struct ggml_tensor *"
 
 
-@op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy",
+@op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy", wide_types=True,
     shape="a: [n0, n1, n2, n3], b: any shape with n0*n1*n2*n3 elements -> b's ne (a view of b); "
           "without b (a cast): [n0, n1, n2, n3] of the new type",
     ggml=GgmlCall(override=_ggml_cpy, cdef=f"{_T} ggml_cpy(struct ggml_context * ctx, {_T} a, {_T} b);\n"

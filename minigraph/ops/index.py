@@ -20,7 +20,7 @@ def check_indices(opname: str, node, idx_name: str, idx: np.ndarray, limit: int)
                       f"is out of range [0, {limit})")
 
 
-@op("GET_ROWS", srcs=("a", "b"), split="get_rows", ggml=GgmlCall("get_rows", ("a", "b")),
+@op("GET_ROWS", srcs=("a", "b"), split="get_rows", wide_types=True, ggml=GgmlCall("get_rows", ("a", "b")),
     shape="a: [n0, R, n2, n3] (f32, f16 or i32), b: [n, n2, n3] i32 row indices < R -> [n0, n, n2, n3] "
           "(f32; i32 for i32 rows)")
 def _get_rows_rule(a, b):

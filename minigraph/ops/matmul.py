@@ -9,7 +9,7 @@ from ..types import f32
 from .public import public
 
 
-@op("MUL_MAT", srcs=("a", "b"), split="mul_mat", ggml=GgmlCall("mul_mat", ("a", "b")),
+@op("MUL_MAT", srcs=("a", "b"), split="mul_mat", wide_types=True, ggml=GgmlCall("mul_mat", ("a", "b")),
     shape="a: [K, M, B2, B3], b: [K, N, b2, b3] with b2 % B2 == 0, b3 % B3 == 0 -> [M, N, b2, b3]")
 def _mul_mat_rule(a, b):
     name = "MUL_MAT"
