@@ -45,7 +45,8 @@ def quantize_values(x: np.ndarray, name: str) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     lead = x.shape[:-1]
     if name == "f16":
-        return x.astype(np.float16).view(np.uint8).reshape(lead + (-1,))
+        with np.errstate(over="ignore"):          # beyond 65504 is inf, as in ggml
+            return x.astype(np.float16).view(np.uint8).reshape(lead + (-1,))
     if name == "bf16":
         return f32_to_bf16_bits(x).view(np.uint8).reshape(lead + (-1,))
     blocks = x.reshape(-1, blck)
