@@ -50,6 +50,9 @@ class Backend:
 
     name = "?"
     guard = 0   # bytes of guard pattern after each planned intermediate (tests set it)
+    # bf16 and block types (by name) whose sources this backend's kernels read; a compute node
+    # with any other such source is not run here (see `runs`), whatever supports_op says
+    wide_types: frozenset = frozenset()
 
     # -- memory ---------------------------------------------------------------------------
     def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
@@ -71,6 +74,20 @@ class Backend:
     # -- compute --------------------------------------------------------------------------
     def supports_op(self, node: Tensor) -> bool:
         raise NotImplementedError
+
+    def missing_type(self, node: Tensor) -> str | None:
+        """The name of a bf16 or block type among a compute node's sources that this backend's
+        kernels do not take, or None (views move no data and take every type)."""
+        if node.op == "NONE" or OPS[node.op].is_view:
+            return None
+        for s in node.srcs.values():
+            if not s.type.numpy_native and s.type.name not in self.wide_types:
+                return s.type.name
+        return None
+
+    def runs(self, node: Tensor) -> bool:
+        """This backend has a kernel for the node's op and for its sources' types."""
+        return self.supports_op(node) and self.missing_type(node) is None
 
     def compute_nodes(self, nodes: list[Tensor], cache: dict | None = None):
         """Run ``nodes`` in order. ``cache`` is the owner's per-graph dict (a Graph's or a
@@ -121,6 +138,10 @@ class Backend:
             for n in gf.nodes:
                 if not self.supports_op(n):
                     raise OpError(f"{n.op} {n.label}: not supported by backend {self.name}")
+                missing = self.missing_type(n)
+                if missing is not None:
+                    raise OpError(f"{n.op} {n.label}: backend {self.name} has no kernel for {missing} sources "
+                                  f"(it takes {', '.join(sorted(self.wide_types)) or 'none'} of bf16 and the block types)")
             gf.cache[checked] = True
         with reading({}):                    # one device: every node reads its own srcs
             plan = self.prepare(gf, gf.nodes)

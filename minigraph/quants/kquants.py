@@ -112,15 +112,21 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d_bytes, dmin_bytes, _pack_scales_k4(ls, lm), qs], axis=1)
 
 
-def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
+def q4_k_parts(raw: np.ndarray):
+    """q4_k blocks -> (d, dmin) float32 (nb,), (scales, mins) (nb, 8), levels 0..15 (nb, 8, 32)."""
     nb = raw.shape[0]
     d, dmin = f16_value(raw[:, 0:2]), f16_value(raw[:, 2:4])
     ls, lm = _unpack_scales_k4(raw[:, 4:16])
+    qs = raw[:, 16:].reshape(nb, 4, 32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(nb, 8, 32)
+    return d, dmin, ls, lm, q
+
+
+def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
+    d, dmin, ls, lm, q = q4_k_parts(raw)
     d1 = d[:, None] * ls.astype(F32)
     m1 = dmin[:, None] * lm.astype(F32)
-    qs = raw[:, 16:].reshape(nb, 4, 32)
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(nb, 8, 32).astype(F32)
-    return (d1[:, :, None] * q - m1[:, :, None]).reshape(nb, 256)
+    return (d1[:, :, None] * q.astype(F32) - m1[:, :, None]).reshape(-1, 256)
 
 
 # -- q6_k -------------------------------------------------------------------------------------
@@ -183,14 +189,20 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
+def q6_k_parts(raw: np.ndarray):
+    """q6_k blocks -> d float32 (nb,), int8 scales (nb, 16), levels -32..31 (nb, 16, 16)."""
     nb = raw.shape[0]
     ql = raw[:, 0:128].reshape(nb, 2, 2, 32)
     qh = raw[:, 128:192].reshape(nb, 2, 1, 32)
-    sc = raw[:, 192:208].view(np.int8).astype(F32).reshape(nb, 16)
+    sc = raw[:, 192:208].view(np.int8).reshape(nb, 16)
     d = f16_value(raw[:, 208:210])
     low = np.concatenate([ql & 0xF, ql >> 4], axis=2)                     # (nb, 2, 4, 32)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
-    q = (low | (high << 4)).astype(np.int32) - 32
-    dsc = (d[:, None] * sc).reshape(nb, 2, 4, 2, 1)                       # scale per 16 values
-    return (dsc * q.reshape(nb, 2, 4, 2, 16).astype(F32)).reshape(nb, 256)
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    return d, sc, q.reshape(nb, 16, 16)                                   # value order: 16 groups of 16
+
+
+def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
+    d, sc, q = q6_k_parts(raw)
+    dsc = d[:, None] * sc.astype(F32)                                     # scale per 16 values
+    return (dsc[:, :, None] * q.astype(F32)).reshape(-1, 256)

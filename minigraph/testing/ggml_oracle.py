@@ -268,8 +268,9 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
         for leaf in gf.leafs:
             t = g[leaf] = lib.ggml_new_tensor(ctx, leaf.type.ggml_id, 4, leaf.ne)
             data = np.ascontiguousarray(built.data[leaf], dtype=leaf.type.np_dtype)
-            if data.size != leaf.nelements():
-                raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {leaf.nelements()} elements")
+            want = leaf.nbytes() if leaf.type.is_quantized else leaf.nelements()   # raw bytes for block types
+            if data.size != want:
+                raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {want}")
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
         builder = GgmlBuilder(ctx)
         for node in gf.nodes:
