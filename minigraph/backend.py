@@ -13,6 +13,9 @@ from .sources import reading
 from .tensor import Context, Tensor, bind_epoch, output_epoch
 
 GUARD_BYTE = 0xA5
+# f16 sources that came with the weight types (mul_mat's src0): like bf16 and the block types, a
+# backend takes them only when it names "f16" in its wide_types
+F16_WEIGHT_SOURCES = {("MUL_MAT", "a", "f16")}
 _buffer_ids = itertools.count()
 
 
@@ -80,8 +83,9 @@ class Backend:
         kernels do not take, or None (views move no data and take every type)."""
         if node.op == "NONE" or OPS[node.op].is_view:
             return None
-        for s in node.srcs.values():
-            if not s.type.numpy_native and s.type.name not in self.wide_types:
+        for k, s in node.srcs.items():
+            wide = not s.type.numpy_native or (node.op, k, s.type.name) in F16_WEIGHT_SOURCES
+            if wide and s.type.name not in self.wide_types:
                 return s.type.name
         return None
 

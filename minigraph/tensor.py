@@ -216,7 +216,7 @@ class Tensor:
         next_nb = self.type.size
         if self.ne[0] != 1 and self.nb[0] != next_nb:
             return False
-        next_nb *= self.ne[0]
+        next_nb *= self.ne[0] // self.type.blck_size     # a row of a block type is whole blocks
         for i in range(1, MAX_DIMS):
             if self.ne[i] != 1:
                 if i > n:

@@ -15,7 +15,7 @@ from minigraph.types import ALL_TYPES
 
 class RefBackend(HostBackend):
     name = "ref"
-    wide_types = frozenset(t.name for t in ALL_TYPES if not t.numpy_native)   # the NumPy codecs take all
+    wide_types = frozenset(t.name for t in ALL_TYPES if not t.numpy_native) | {"f16"}   # NumPy takes all
 
     def supports_op(self, node) -> bool:
         d = OPS[node.op]

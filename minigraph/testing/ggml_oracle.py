@@ -18,7 +18,7 @@ from cffi import FFI
 
 from minigraph.graph import Graph
 from minigraph.registry import OPS, GgmlCall, NotInGgml
-from minigraph.types import ALL_TYPES, f16, f32, i32
+from minigraph.types import ALL_TYPES, bf16, f16, f32, from_ggml_id, i32, q4_0, q8_0
 
 _T = "struct ggml_tensor *"
 
@@ -148,7 +148,8 @@ def _refuse(cond, node, why):
 # -- checks for what ggml would abort on (or silently misread) and minigraph accepts -----------
 # ggml's CPU dup: I32->F16 aborts "not implemented"; F16->I32 goes through the quantize path,
 # which gets no work buffer from ggml_graph_plan (crash).
-_CPU_CONVERSIONS = {(f32, f16), (f32, i32), (f16, f32), (i32, f32)}
+_CPU_CONVERSIONS = {(f32, f16), (f32, i32), (f16, f32), (i32, f32), (f32, bf16), (bf16, f32),
+                    (f32, q8_0), (f32, q4_0)}
 
 
 def _indices_in_range(node, built, idx_name, limit):
@@ -234,9 +235,14 @@ def _read(g, shape) -> np.ndarray:
     ne, nb = tuple(g.ne), tuple(g.nb)
     if 0 in ne:
         return np.zeros(shape, dtype)
-    extent = dtype.itemsize + sum((n - 1) * b for n, b in zip(ne, nb))
+    t = from_ggml_id(g.type)
+    if t.is_quantized:            # rows of raw blocks
+        full, strides = (ne[3], ne[2], ne[1], t.row_size(ne[0])), (nb[3], nb[2], nb[1], 1)
+    else:
+        full, strides = tuple(reversed(ne)), tuple(reversed(nb))
+    extent = sum((n - 1) * s for n, s in zip(full, strides)) + dtype.itemsize
     buf = ffi.buffer(ffi.cast("char *", g.data), extent)
-    arr = np.ndarray(tuple(reversed(ne)), dtype, buffer=buf, strides=tuple(reversed(nb)))
+    arr = np.ndarray(full, dtype, buffer=buf, strides=strides)
     return arr.copy().reshape(shape)
 
 
@@ -287,7 +293,7 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
         status = lib.ggml_graph_compute(cgraph, plan)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute returned status {status}")
-        return [_read(g[o], o.shape) for o in built.outs]
+        return [_read(g[o], o.storage_shape) for o in built.outs]
     finally:
         lib.ggml_free(ctx)
 
