@@ -183,3 +183,26 @@ def test_bad_ftype_and_typed_weights_are_refused(files, tmp_path):
     loaded = load_gguf(paths["q8_0"], devices=mg.backend("ref"))
     with pytest.raises(GGUFError, match="ftype=q4_0: converts f32 weights only; .* \\(q8_0\\) is not f32"):
         save_gguf(loaded, tmp_path / "x.gguf", ftype="q4_0")
+
+
+def test_cli_quantize_writes_the_file_type(files, tmp_path, capsys):
+    _, paths = files["mamba2"]
+    f32 = save_gguf(files["mamba2"][0], tmp_path / "f32.gguf")
+    out = tmp_path / "q.gguf"
+    assert cli_main(["quantize", "--gguf", str(f32), "--out", str(out), "--type", "q4_k_m"]) == 0
+    assert out.read_bytes() == paths["q4_k_m"].read_bytes()          # the same writer, the same rule
+    assert cli_main(["quantize", "lfm", "--out", str(tmp_path / "z.gguf"), "--type", "q8_0"]) == 0
+    kinds = {t.type.name for t in load_gguf(tmp_path / "z.gguf", devices=mg.backend("ref")).gguf_tensors().values()}
+    assert kinds == {"f32", "q8_0"}
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["quantize", "--out", "x.gguf", "--type", "q8_0"], "name a zoo MODEL or give --gguf FILE"),
+    (["quantize", "lfm", "--out", "x.gguf", "--type", "q5_1"], "argument --type: invalid choice"),
+    (["quantize", "--gguf", "absent.gguf", "--out", "x.gguf", "--type", "q8_0"], "--gguf absent.gguf: no such file"),
+])
+def test_cli_quantize_bad_flags_exit_2(argv, text, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2 and text in capsys.readouterr().err
