@@ -592,6 +592,11 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
         if types[name] != t.type:
             raise GGUFError(f"{name}: type in file {types[name].name}, model made {t.type.name}")
+    for name, t in want.items():              # raw blocks only where the device's kernels take them
+        dev = t.backend
+        if not t.type.numpy_native and not isinstance(dev, HostBackend) and t.type.name not in dev.wide_types:
+            raise GGUFError(f"{path}: tensor {name} is {t.type.name}: backend {dev.name} has no kernels for "
+                            f"{t.type.name} (load it on ref or cpu)")
     mapped: dict = {}                         # backend -> one Buffer over the whole mapping
     for name, t in want.items():
         rt = found[name]
