@@ -1,8 +1,11 @@
 """GGUF files for the recurrent models, with llama.cpp's architecture names, metadata keys and
 tensor names, through the `gguf` package (pip install 'minigraph[gguf]').
 
-    save_gguf(model, path)                     write a model's hyperparameters and weights
+    save_gguf(model, path, ftype=None)         write a model's hyperparameters and weights (ftype:
+                                               f16, bf16, q8_0, q4_0 or q4_k_m converts the f32
+                                               weights by llama.cpp's rule, models/gguf_types.py)
     load_gguf(path, devices=None) -> model     build the arch's model class and fill its weights
+                                               (any of those types; mapped from the file on ref/cpu)
 
 Architectures: "lfm2" (models.lfm.LFM2Model), "kimi-linear" (models.kda.KDAModel), "mamba2"
 (models.mamba2), "qwen35" (models.delta_net). A model class takes part through this protocol:

@@ -110,6 +110,11 @@ def test_set_refuses_wrong_sizes_and_dtypes():
         w.set(np.zeros((2, 32), np.float32))
     with pytest.raises(mg.OpError, match="quantize to q4_k: the last axis \\(32\\) must be a multiple of the block size 256"):
         mg.quantize(np.ones((1, 32)), mg.q4_k)
+    with pytest.raises(mg.OpError, match="dequantize q8_0: 68 bytes do not hold rows of 48 values"):
+        mg.dequantize(bytes(68), mg.q8_0, shape=(2, 48))
+    with pytest.raises(mg.OpError, match="dequantize: give the type"):
+        mg.dequantize(bytes(34))
+    assert mg.dequantize(bytes(68), mg.q8_0, shape=(2, 32)).shape == (2, 32)
 
 
 @pytest.mark.parametrize("t", [T.f16, T.bf16, T.q8_0, T.q4_0, T.q4_k, T.q6_k], ids=lambda t: t.name)
