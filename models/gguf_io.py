@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 from struct import error as struct_error
 from pathlib import Path
 
@@ -454,7 +455,11 @@ def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = Fal
         types = {n: t.type for n, t in tensors.items()}
         file_type = _file_type_of(types)
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), arch)
+    # written beside the target, then renamed over it: a model whose weights are mapped from the
+    # target file keeps reading the old file (its inode lives on), and a failed write leaves it as it was
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    done = False
     try:
         writer.add_name(f"minigraph tiny {arch}")
         writer.add_file_type(file_type)
@@ -476,8 +481,13 @@ def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = Fal
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+        done = True
     finally:
         writer.close()
+        if done:
+            os.replace(tmp, path)
+        else:
+            tmp.unlink(missing_ok=True)
     return path
 
 

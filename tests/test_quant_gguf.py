@@ -206,3 +206,18 @@ def test_cli_quantize_bad_flags_exit_2(argv, text, capsys, tmp_path, monkeypatch
     with pytest.raises(SystemExit) as e:
         cli_main(argv)
     assert e.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_saving_over_the_mapped_file_keeps_the_loaded_weights(files, tmp_path):
+    """The loaded model reads its weights from the file's mapping; writing the same path again
+    (another file type) replaces the file without touching what the model maps."""
+    model, paths = files["lfm"]
+    path = tmp_path / "m.gguf"
+    path.write_bytes(paths["q8_0"].read_bytes())
+    loaded = load_gguf(path, devices=mg.backend("ref"))
+    before = _logits(loaded)
+    save_gguf(model, path, ftype="q4_0")
+    assert path.read_bytes() == paths["q4_0"].read_bytes()
+    after = _logits(loaded)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert not list(tmp_path.glob("*.partial"))
