@@ -97,12 +97,22 @@ def test_quantized_logits_stay_near_the_f32_model(files):
         assert err <= bound, (ftype, err)
 
 
-@pytest.mark.parametrize("ftype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("backend_name", backends())
+@pytest.mark.parametrize("ftype", FILE_TYPES)
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_cli_runs_each_model_from_a_quantized_file(files, name, ftype, capsys):
+def test_cli_runs_each_model_from_a_quantized_file(files, name, ftype, backend_name, capsys):
+    """minigraph run --gguf FILE: runs on ref, and on cpu once its kernels take the file's types
+    (until then: exit 1 with one line naming the type)."""
     _, paths = files[name]
-    rc = cli_main(["run", "--gguf", str(paths[ftype]), "--devices", "ref", "--steps", "2", "--json"])
-    assert rc == 0, capsys.readouterr().err
+    be = mg.backend(backend_name)
+    kinds = {t.type.name for t in load_gguf(paths[ftype], devices=mg.backend("ref")).gguf_tensors().values()}
+    lacking = sorted(kinds - {"f32"} - set(be.wide_types))
+    rc = cli_main(["run", "--gguf", str(paths[ftype]), "--devices", backend_name, "--steps", "2", "--json"])
+    err = capsys.readouterr().err
+    if lacking:
+        assert rc == 1 and err.count("\n") == 1 and "has no kernel for" in err, err
+    else:
+        assert rc == 0, err
 
 
 def test_copy_on_write_mapping_and_copies(files, tmp_path):
