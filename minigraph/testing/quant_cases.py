@@ -75,3 +75,26 @@ for _t in (q8_0, q4_0):
         dst = b.leaf(_t, (K, M, ne2), rng=rng)
         b.out(mg.cpy(x, dst))
         return b
+
+
+for _t in (f16, q4_0, q4_k):
+    @case("MUL_MAT", f"{_t.name}_strided_src1_broadcast", nmse=1e-10, types=_wide(_t, "MUL_MAT"))
+    def _(rng, _t=_t):
+        """src1 with padded rows (converted row by row) and src0 broadcast over dims 2 and 3."""
+        b = Built(Context())
+        K, M, N = _k(rng, _t), int(rng.integers(2, 7)), int(rng.integers(1, 5))
+        a = b.leaf(_t, (K, M, 1, 2), rng=rng)
+        x = b.input(rng, f32, (K, N, 2, 4), "strided")
+        b.out(mg.mul_mat(a, x))
+        return b
+
+    @case("GET_ROWS", f"{_t.name}_rows_of_a_view", exact=True, types=_wide(_t))
+    def _(rng, _t=_t):
+        """Rows from a view that starts one row into a larger table."""
+        b = Built(Context())
+        K, R, n = _k(rng, _t), int(rng.integers(3, 8)), int(rng.integers(1, 6))
+        table = b.leaf(_t, (K, R + 1), rng=rng)
+        rows = mg.view_2d(table, K, R, table.nb[1], table.nb[1])
+        ids = b.leaf(i32, (n,), data=rng.integers(0, R, n))
+        b.out(mg.get_rows(rows, ids))
+        return b
