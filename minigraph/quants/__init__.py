@@ -7,7 +7,9 @@ one block (or the search steps of the K-quant scale fits), never the blocks.
 
 The arithmetic is ggml's reference code's, operation by operation in float32 (its build of
 these functions uses plain SSE float math, no fused multiply-add), so the bytes agree with
-ggml_quantize_chunk without an importance matrix, and the values with the type's to_float.
+ggml_quantize_chunk without an importance matrix, and the values with the type's to_float, for
+finite inputs. (A NaN, or an inf in a q6_k block, gives whatever C's float-to-int conversion
+gives there; those bytes are not reproduced.)
 Rounding helpers:
   * ``_nearest``: ggml's nearest_int, which adds 1.5 * 2^23 in float32, i.e. round half to even;
   * ``_round_away``: C's roundf (half away from zero), used by q8_0;
