@@ -29,7 +29,8 @@ import numpy as np
 
 from .kquants import dequantize_q4_k, dequantize_q6_k, quantize_q4_k, quantize_q6_k
 from .simple import (bf16_bits_to_f32, dequantize_q4_0, dequantize_q8_0, dequantize_q8_k,
-                     f32_to_bf16_bits, quantize_q4_0, quantize_q8_0, quantize_q8_k)
+                     f32_to_bf16_bits, quantize_q4_0, quantize_q8_0, quantize_q8_0_activations,
+                     quantize_q8_k)
 
 # name -> (values per block, bytes per block)
 LAYOUTS = {"f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
@@ -53,6 +54,16 @@ def quantize_values(x: np.ndarray, name: str) -> np.ndarray:
         return f32_to_bf16_bits(x).view(np.uint8).reshape(lead + (-1,))
     blocks = x.reshape(-1, blck)
     return _QUANTIZE[name](blocks).reshape(lead + (x.shape[-1] // blck * size,))
+
+
+def quantize_values_cpu(x: np.ndarray, name: str) -> np.ndarray:
+    """As quantize_values, but as ggml's CPU backend converts inside a graph (cpy into a block
+    tensor, mul_mat's src1): the same except q8_0, which it quantizes with its x86 SIMD routine
+    (see simple.quantize_q8_0_activations)."""
+    if name != "q8_0":
+        return quantize_values(x, name)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return quantize_q8_0_activations(x.reshape(-1, 32)).reshape(x.shape[:-1] + (x.shape[-1] // 32 * 34,))
 
 
 def dequantize_values(raw: np.ndarray, name: str) -> np.ndarray:

@@ -76,6 +76,19 @@ for _t in (q8_0, q4_0):
         b.out(mg.cpy(x, dst))
         return b
 
+    @case("CPY", f"cast_f32_to_{_t.name}_normal", exact=True, types=(_t.name,))
+    def _(rng, _t=_t):
+        """Normal values, and a row of exact halves (127 sets the scale to 1): ggml's CPU quantizes
+        a cpy's rows with its own routine, which rounds q8_0's ties to even (its reference
+        quantizer, mg.quantize, rounds them away from zero)."""
+        b = Built(Context())
+        values = rng.standard_normal((64, 4 * _t.blck_size)) * 3
+        ties = np.tile(np.r_[127.0, np.arange(31) - 15.5], 4 * _t.blck_size // 32)
+        values[0] = ties
+        x = b.leaf(f32, (4 * _t.blck_size, 64), data=values)
+        b.out(mg.cast(x, _t))
+        return b
+
 
 for _t in (f16, q4_0, q4_k):
     @case("MUL_MAT", f"{_t.name}_strided_src1_broadcast", nmse=1e-10, types=_wide(_t, "MUL_MAT"))
