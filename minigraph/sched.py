@@ -160,7 +160,7 @@ class Scheduler:
                       f"backends {[b.name for b in self.backends]}")
 
     def _supports(self, b: int, node: Tensor) -> bool:
-        return node.op == "NONE" or is_view_op(node) or self.backends[b].supports_op(node)
+        return node.op == "NONE" or is_view_op(node) or self.backends[b].runs(node)
 
     def _from_buffer(self, t: Tensor, op_node: Tensor) -> int:
         buf = self._placed_buffer(t)
@@ -259,7 +259,10 @@ class Scheduler:
                         self._set(n, b, "2.sup")
                         break
             if self.assign.get(n.id, -1) < 0:
-                raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it")
+                why = "; ".join(f"backend {b.name} has no kernel for {m} sources" for b in self.backends
+                                if b.supports_op(n) and (m := b.missing_type(n)) is not None)
+                raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it"
+                              + (f" ({why})" if why else ""))
 
     def _pass5(self, sg: ScheduledGraph):
         nodes = sg.gf.nodes

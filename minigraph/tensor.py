@@ -51,7 +51,7 @@ def as_type(value, arg: str = "type") -> DType:
     except TypeError:
         np_dtype = None
     for t in ALL_TYPES:
-        if np_dtype is not None and t.np_dtype == np_dtype:
+        if np_dtype is not None and t.numpy_native and t.np_dtype == np_dtype:
             return t
     what = f"NumPy dtype {np_dtype}" if np_dtype is not None else f"{type(value).__name__} {value!r}"
     raise TypeError(f"{arg}: {what} is not a minigraph type; valid types are {_TYPE_HELP} "
@@ -59,8 +59,8 @@ def as_type(value, arg: str = "type") -> DType:
 
 
 def contiguous_strides(dtype: DType, ne: Sequence[int]) -> tuple[int, int, int, int]:
-    nb = [dtype.size]
-    for i in range(1, MAX_DIMS):
+    nb = [dtype.size, dtype.size * (ne[0] // dtype.blck_size)]
+    for i in range(2, MAX_DIMS):
         nb.append(nb[i - 1] * ne[i - 1])
     return tuple(nb)
 
@@ -99,6 +99,9 @@ class Tensor:
         self._ctx = weakref.ref(ctx) if ctx is not None else None
         self.type = as_type(type)
         self.ne = pad_ne(ne)
+        if self.ne[0] % self.type.blck_size:
+            raise OpError(f"tensor {name or op.lower()!r} of {self.type.name}: ne[0]={self.ne[0]} must be a "
+                          f"multiple of the block size {self.type.blck_size}")
         self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(self.type, self.ne)
         if view_src is not None and view_src.view_src is not None:
             view_offs += view_src.view_offs
@@ -185,16 +188,18 @@ class Tensor:
         return int(np.prod(self.ne))
 
     def nbytes(self) -> int:
-        """The true strided extent in bytes (ggml_nbytes for block size 1)."""
+        """The true strided extent in bytes (ggml_nbytes): dim 0 counts whole blocks."""
         if any(n <= 0 for n in self.ne):
             return 0
+        if self.type.blck_size > 1:
+            return self.ne[0] * self.nb[0] // self.type.blck_size + sum((n - 1) * b for n, b in zip(self.ne[1:], self.nb[1:]))
         return self.type.size + sum((n - 1) * b for n, b in zip(self.ne, self.nb))
 
     def element_size(self) -> int:
         return self.type.size
 
     def row_size(self) -> int:
-        return self.type.size * self.ne[0]
+        return self.type.size * (self.ne[0] // self.type.blck_size)
 
     def n_dims(self) -> int:
         for i in range(MAX_DIMS - 1, 0, -1):
@@ -211,7 +216,7 @@ class Tensor:
         next_nb = self.type.size
         if self.ne[0] != 1 and self.nb[0] != next_nb:
             return False
-        next_nb *= self.ne[0]
+        next_nb *= self.ne[0] // self.type.blck_size     # a row of a block type is whole blocks
         for i in range(1, MAX_DIMS):
             if self.ne[i] != 1:
                 if i > n:
@@ -262,21 +267,43 @@ class Tensor:
         root = self.root()
         return root.buffer.backend if root.buffer is not None else None
 
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """The NumPy shape ``set`` takes and ``numpy`` gives: ``shape`` for element types; for
+        block types (q8_0, q4_k, ...) the rows' raw bytes, shape[:-1] + (row bytes,)."""
+        if not self.type.is_quantized:
+            return self.shape
+        return tuple(reversed(self.ne[1: self.n_dims()])) + (self.row_size(),)
+
     def set(self, array) -> "Tensor":
-        """Write a NumPy array (NumPy order, dtype equal to this tensor's) into the tensor."""
+        """Write a NumPy array (NumPy order, dtype equal to this tensor's) into the tensor.
+
+        bf16 takes its 16-bit patterns (uint16; mg.quantize(x, mg.bf16) makes them from floats);
+        block types take raw blocks: uint8 of ``storage_shape`` or of as many bytes in any shape
+        (or ``bytes``), as mg.quantize returns them."""
+        if self.type.is_quantized and isinstance(array, (bytes, bytearray, memoryview)):
+            array = np.frombuffer(array, np.uint8)
         array = np.asarray(array)
         if array.dtype != self.type.np_dtype:
             raise OpError(f"set {self.label}: dtype {array.dtype} does not match the tensor's "
-                          f"type {self.type.name} ({self.type.np_dtype})")
-        if _pad4(array.shape) != tuple(reversed(self.ne)):
+                          f"type {self.type.name} ({self.type.np_dtype}"
+                          f"{', raw blocks' if self.type.is_quantized else ''})")
+        want = tuple(reversed(self.ne)) if not self.type.is_quantized else \
+            (self.ne[3], self.ne[2], self.ne[1], self.row_size())
+        if self.type.is_quantized and array.size == int(np.prod(want)):
+            array = array.reshape(want)
+        if _pad4(array.shape) != want:
             raise OpError(f"set {self.label}: array shape {array.shape} does not match the "
-                          f"tensor's shape {self.shape} (ne={list(self.ne)})")
+                          f"tensor's shape {self.storage_shape} (ne={list(self.ne)}"
+                          f"{f', {self.type.name} rows of {self.row_size()} bytes' if self.type.is_quantized else ''})")
         buf, _ = self.storage()
-        buf.backend.write_tensor(self, array.reshape(tuple(reversed(self.ne))))
+        buf.backend.write_tensor(self, array.reshape(want))
         return self
 
     def numpy(self) -> np.ndarray:
-        """A copy of the tensor's contents in NumPy order (shape == self.shape).
+        """A copy of the tensor's contents in NumPy order (shape == self.storage_shape: the
+        values for element types, bf16's 16-bit patterns as uint16, block types' raw bytes as
+        uint8 rows; mg.dequantize turns the last two into float32).
 
         An intermediate whose memory the planner handed to a later node cannot be read after a
         compute: flag it with set_output() before computing to keep it."""
@@ -285,7 +312,7 @@ class Tensor:
         if root.overwritten_by is not None:
             raise OpError(f"tensor {self.label}: its memory was reused by {root.overwritten_by} after its "
                           f"last reader ran; call set_output() on {root.label} before computing to keep it")
-        return buf.backend.read_tensor(self).reshape(self.shape)
+        return buf.backend.read_tensor(self).reshape(self.storage_shape)
 
     def __repr__(self) -> str:
         extra = f" view of {self.view_src.label}+{self.view_offs}" if self.view_src is not None else ""
