@@ -13,9 +13,7 @@ So the bounds are: the largest relative error per call within BOUND[type], and t
 logits at most NMSE_VS_DEQUANT[type] of that of a dequantize-then-f32 model (the same weights,
 float products): for the quantized types 1% (measured: 1e-10 to 2e-4 of it), so the arithmetic
 is ggml's, not merely the same weights. The measured figures print with -s.
-
-kimi-linear is not compared: llama.cpp runs it only with attention layers, which minigraph's KDA
-model does not write (as in tests/test_llama_oracle.py)."""
+"""
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 import minigraph as mg
 from minigraph.models.delta_net import DeltaNetHybridModel
 from minigraph.models.gguf_io import load_gguf, save_gguf
+from minigraph.models.kda import KDAModel
 from minigraph.models.lfm import LFM2Model
 from minigraph.models.mamba2 import Mamba2Model
 from minigraph.models.runner import Runner
@@ -40,6 +39,9 @@ MAKERS = {
     "lfm2": lambda dev: LFM2Model(n_vocab=48, n_embd=256, n_ff=512, n_head=4, head_count_kv=[0, 2, 0], n_layer=3,
                                   devices=dev, seed=5),
     "qwen35-hybrid": lambda dev: DeltaNetHybridModel(n_vocab=48, n_embd=256, head_dim=64, n_ff=512, devices=dev, seed=5),
+    # a KDA block and an MLA block (llama.cpp's layout for two blocks)
+    "kimi-linear": lambda dev: KDAModel(n_vocab=48, n_embd=256, n_ff=512, n_head=4, head_dim=64, kv_lora_rank=64,
+                                        mla_k_head_dim=64, mla_v_head_dim=64, n_rot=16, devices=dev, seed=5),
 }
 FILE_TYPES = ["f16", "bf16", "q8_0", "q4_0", "q4_k_m"]
 BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 2e-3, "q4_0": 2e-3, "q4_k_m": 2e-3}
@@ -88,9 +90,10 @@ def test_file_type_matches_llama_cpp(folder, arch, ftype, backend_name, monkeypa
     model = MAKERS[arch](mg.backend("ref"))
     f32_path = save_gguf(model, folder / f"{arch}-f32.gguf")
     path = save_gguf(model, folder / f"{arch}-{ftype}.gguf", ftype=ftype)
-    n_rs_seq = 0 if arch == "mamba2" else H.N_RS_SEQ      # llama.cpp keeps no snapshots for mamba2
+    # llama.cpp keeps no snapshots for mamba2 and kimi-linear (it clamps n_rs_seq to 0)
+    n_rs_seq = 0 if arch in ("mamba2", "kimi-linear") else H.N_RS_SEQ
     monkeypatch.setattr(H, "N_RS_SEQ", n_rs_seq)
-    want = H.llama_f32(path, 1, CALLS, folder)
+    want = H.llama_f32(path, 1, CALLS, folder, n_rs_seq=n_rs_seq)
     be = mg.backend(backend_name)
     loaded = load_gguf(path, devices=be)
     kinds = {t.type.name for t in loaded.gguf_tensors().values()}
