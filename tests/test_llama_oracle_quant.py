@@ -13,6 +13,17 @@ So the bounds are: the largest relative error per call within BOUND[type], and t
 logits at most NMSE_VS_DEQUANT[type] of that of a dequantize-then-f32 model (the same weights,
 float products): for the quantized types 1% (measured: 1e-10 to 2e-4 of it), so the arithmetic
 is ggml's, not merely the same weights. The measured figures print with -s.
+
+A q8 level is coarse, though (1/127 of its block's largest value), and a recurrent state or the
+KV cache carries a flipped one to every later token: kimi-linear seeded 5, written as Q8_0, has
+one value of its KDA block's output (attn_output's input, prompt token 4) at 80.49999 after
+scaling, one float32 ulp under the midpoint 80.5, where llama.cpp's input, 2 ulps away
+(summation order), scales to 80.50003: one level apart, and the logits of tokens 4-10 differ by
+1.5e-2 while the first four agree to 5e-8 (with seed 6 a Q4_0 file does the same in the FFN
+input, shared by ffn_gate and ffn_up). So on ref, a run over the bounds is run again with each
+activation value that lay within a hair of a midpoint (tests/activation_ties.py; the nearest
+MAX_TIE_RERUNS) moved across it, one tie at a time; it passes only if one such run is within the
+bounds, and the summary names the tie. The bounds themselves stay as they are.
 """
 from pathlib import Path
 
@@ -27,6 +38,7 @@ from minigraph.models.lfm import LFM2Model
 from minigraph.models.mamba2 import Mamba2Model
 from minigraph.models.runner import Runner
 
+import activation_ties
 import llama_hybrid_compare as H
 from llama_hybrid_compare import llama_installed, one_cpu_thread  # noqa: F401  (autouse fixtures)
 
@@ -52,7 +64,8 @@ BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 2e-3, "q4_0": 2e-3, "q4_k_m": 2e-3}
 # 2e-4 (all its logits: one input element rounded to the neighbouring bf16), the others by 1e-7.
 NMSE_VS_DEQUANT = {"f16": 0.7, "bf16": 0.5, "q8_0": 0.01, "q4_0": 0.01, "q4_k_m": 0.01}
 CALLS = [("decode", {0: H.PROMPT})] + [("decode", {0: [t]}) for t in [9, 21, 1, 47]]
-RESULTS: dict = {}      # (arch, file type, backend) -> (max rel, nmse, nmse of dequantize-then-f32)
+MAX_TIE_RERUNS = 16     # the nearest ties tried, one at a time, when a ref run is over the bound
+RESULTS: dict = {}      # (arch, file type, backend) -> (max rel, nmse, nmse of dequantize-then-f32, tie note)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +86,26 @@ def _dequantized(path: Path, f32_path: Path):
         if t.type != mg.f32:
             mine[name].set(mg.dequantize(t).reshape(mine[name].shape))
     return m
+
+
+def _within(ftype, errors, nmse_deq):
+    worst, nmse = errors
+    return worst <= BOUND[ftype] and nmse <= NMSE_VS_DEQUANT[ftype] * nmse_deq
+
+
+def _run_resolving_ties(model, n_rs_seq, want, ftype, nmse_deq):
+    """(max rel, nmse, note) of a ref run; over the bounds, of the first rerun with one activation
+    tie given the other level that is within them (note names that tie), else of the first run."""
+    with activation_ties.watch() as ties:
+        errors = _errors(_run(model, n_rs_seq), want)
+    if _within(ftype, errors, nmse_deq) or not ties:
+        return errors + ("",)
+    for tie in sorted(ties, key=lambda t: t.distance)[:MAX_TIE_RERUNS]:
+        with activation_ties.watch(flip=tie):
+            flipped = _errors(_run(model, n_rs_seq), want)
+        if _within(ftype, flipped, nmse_deq):
+            return flipped + (f"(max rel {errors[0]:.2e} before the tie {tie} was resolved the other way)",)
+    return errors + (f"({len(ties)} ties, none of the nearest {MAX_TIE_RERUNS} accounts for it)",)
 
 
 def _errors(got, want):
@@ -102,10 +135,13 @@ def test_file_type_matches_llama_cpp(folder, arch, ftype, backend_name, monkeypa
     lacking = sorted(kinds - {"f32"} - set(be.wide_types))
     if lacking:
         pytest.skip(f"backend {be.name} has no kernels for {', '.join(lacking)} yet (Backend.wide_types)")
-    worst, nmse = _errors(_run(loaded, n_rs_seq), want)
     _, nmse_deq = _errors(_run(_dequantized(path, f32_path), n_rs_seq), want)
-    RESULTS[(arch, ftype, be.name)] = (worst, nmse, nmse_deq)
-    assert worst <= BOUND[ftype], f"{arch} {ftype}: relative error {worst:.3g} > {BOUND[ftype]}"
+    if be.name == "ref":
+        worst, nmse, note = _run_resolving_ties(loaded, n_rs_seq, want, ftype, nmse_deq)
+    else:
+        (worst, nmse), note = _errors(_run(loaded, n_rs_seq), want), ""
+    RESULTS[(arch, ftype, be.name)] = (worst, nmse, nmse_deq, note)
+    assert worst <= BOUND[ftype], f"{arch} {ftype}: relative error {worst:.3g} > {BOUND[ftype]} {note}"
     assert nmse <= NMSE_VS_DEQUANT[ftype] * nmse_deq, \
         f"{arch} {ftype}: NMSE {nmse:.3g} is not {NMSE_VS_DEQUANT[ftype]} x a dequantize-then-f32 model's {nmse_deq:.3g}"
 
@@ -114,5 +150,6 @@ def test_zz_summary():
     """Prints every comparison (run with -s to see it)."""
     print("\nquantized files vs llama.cpp (f32 KV), per call max |a-b|/max|b|; NMSE over all logits; "
           "NMSE of a dequantize-then-f32 model:")
-    for (arch, ftype, be), (worst, nmse, deq) in sorted(RESULTS.items()):
-        print(f"  {arch:14s} {ftype:7s} {be:6s} max rel {worst:.2e}  nmse {nmse:.2e}  dequantized-f32 nmse {deq:.2e}")
+    for (arch, ftype, be), (worst, nmse, deq, note) in sorted(RESULTS.items()):
+        print(f"  {arch:14s} {ftype:7s} {be:6s} max rel {worst:.2e}  nmse {nmse:.2e}  dequantized-f32 nmse {deq:.2e}"
+              + (f"\n      {note}" if note else ""))
