@@ -110,6 +110,8 @@ void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost) {
 #define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
 #define MAX_THREADS 512
 
+int mg_thread_limit(void) { return MAX_THREADS; }
+
 static int64_t tensor_bytes(const mg_tensor *t) {
     if (t->data == NULL) return 0;
     int64_t n = mg_nelements(t);
