@@ -206,10 +206,13 @@ static inline __m128 vsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 #define PR 2
 #define PC 6
 #ifndef PMB
-#define PMB 64    /* rows of a per job: a packed block of PMB x KB floats and the PMB x PNS results stay in L2 */
+#define PMB 128   /* rows of a per job: the packed PMB x KB block of a and the PMB x PNS results (256 KiB each) */
 #endif
-#define PNS 512   /* columns per slab: the slab's results (PMB x PNS floats) are kept in a contiguous buffer
-                     until its last k block (dst's columns are M floats apart: all in a few cache sets) */
+/* columns per slab: the slab's results (PMB x PNS floats) are kept in a contiguous buffer until
+ * its last k block (dst's columns are M floats apart: all in a few cache sets) */
+#ifndef PNS
+#define PNS 512
+#endif
 #ifndef PACKED_MIN_N
 #define PACKED_MIN_N 16   /* fewer columns: the direct path reads a only once or twice anyway */
 #endif
@@ -304,10 +307,43 @@ static inline __attribute__((always_inline)) void ukernel(const float *Ap, const
     }
 }
 
-#define UK_CASE(R, C) case C: for (; g + R <= m1; g += R, Ag += nch * R * VW) ukernel(Ag, R, bs, C, kk, dp, ldd, g, j, first); break;
+/* Prefetching what comes next while a panel runs, a few cache lines per micro-tile: the rows of
+ * b of the next panel (from L3), and the rows of a the next packing copies (from memory). */
+typedef struct {
+    const char *base;   /* row 0, at the block's first float */
+    int64_t ld, lines, n, total;   /* row stride; lines per row; next line; lines in all */
+} prefetcher;
+
+static inline void pf_set(prefetcher *p, const char *base, int64_t ld, int64_t rows, int64_t bytes) {
+    p->base = base;
+    p->ld = ld;
+    p->lines = (bytes + 63) / 64;
+    p->n = 0;
+    p->total = base != NULL ? rows * p->lines : 0;
+}
+
+static inline void pf_next(prefetcher *p, int count, int hint_l1) {
+    for (int q = 0; q < count && p->n < p->total; q++, p->n++) {
+        const char *line = p->base + p->n / p->lines * p->ld + p->n % p->lines * 64;
+        if (hint_l1) __builtin_prefetch(line, 0, 3);
+        else __builtin_prefetch(line, 0, 2);
+    }
+}
+
+#define UK_CASE(R, C) case C: for (; g + R <= m1; g += R, Ag += nch * R * VW) { \
+        ukernel(Ag, R, bs, C, kk, dp, ldd, g, j, first); pf_next(pb, PF_B, PF_B_L1); pf_next(pa, PF_A, 0); } break;
+#ifndef PF_B
+#define PF_B 6
+#endif
+#ifndef PF_A
+#define PF_A 1
+#endif
+#ifndef PF_B_L1
+#define PF_B_L1 0
+#endif
 /* the row groups [m0, m1) of the packed block against C columns of b */
 static void panel_rows(const float *Ap, const float *const *bs, int C, int64_t kk, int64_t nch, char *dp, int64_t ldd,
-                       int64_t m0, int64_t m1, int64_t j, int first) {
+                       int64_t m0, int64_t m1, int64_t j, int first, prefetcher *pb, prefetcher *pa) {
     int64_t g = m0;
     const float *Ag = Ap;
     switch (C) { UK_CASE(2, 1) UK_CASE(2, 2) UK_CASE(2, 3) UK_CASE(2, 4) UK_CASE(2, 5) UK_CASE(2, 6) default: break; }
@@ -341,11 +377,19 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const mg_tenso
                 float *Ag = Ap;
                 for (; g + PR <= m1; g += PR, Ag += nch * PR * VW) pack_group(Ag, ap, lda, g, PR, k0, kk, nch);
                 if (g < m1) pack_group(Ag, ap, lda, g, (int)(m1 - g), k0, kk, nch);
+                prefetcher pa, pb;   /* the next k block's rows of a (this job's) while this one runs */
+                const int64_t kn = k0 + KB < K ? k0 + KB : -1;
+                pf_set(&pa, kn >= 0 ? ap + m0 * lda + kn * (int64_t)sizeof(float) : NULL, lda, m1 - m0,
+                       mg_min64(KB, K - kn) * (int64_t)sizeof(float));
                 for (int64_t j = n0; j < n1; j += PC) {
                     const int C = (int)mg_min64(PC, n1 - j);
                     const float *bs[PC];
                     for (int jj = 0; jj < C; jj++) bs[jj] = (const float *)(bp + (j + jj) * ldb) + k0;
-                    panel_rows(Ap, bs, C, kk, nch, (char *)rb, PMB * sizeof(float), 0, m1 - m0, j - n0, k0 == 0);
+                    const int64_t jn = j + PC;
+                    pf_set(&pb, jn < n1 ? bp + jn * ldb + k0 * (int64_t)sizeof(float) : NULL, ldb,
+                           mg_min64(PC, n1 - jn), kk * (int64_t)sizeof(float));
+                    panel_rows(Ap, bs, C, kk, nch, (char *)rb, PMB * sizeof(float), 0, m1 - m0, j - n0, k0 == 0,
+                               &pb, &pa);
                 }
             }
             for (int64_t j = n0; j < n1; j++)
