@@ -313,23 +313,28 @@ static inline __attribute__((always_inline)) void ukernel(const float *Ap, const
 /* Prefetching what comes next while a panel runs, a few cache lines per micro-tile: the rows of
  * b of the next panel (from L3), and the rows of a the next packing copies (from memory). */
 typedef struct {
-    const char *base;   /* row 0, at the block's first float */
-    int64_t ld, lines, n, total;   /* row stride; lines per row; next line; lines in all */
+    const char *row;          /* the current row's first byte (NULL: nothing to prefetch) */
+    int64_t ld, bytes, off;   /* row stride; bytes per row; next offset in the row */
+    int64_t rows;             /* rows left, the current one included */
 } prefetcher;
 
 static inline void pf_set(prefetcher *p, const char *base, int64_t ld, int64_t rows, int64_t bytes) {
-    p->base = base;
+    p->row = rows > 0 && bytes > 0 ? base : NULL;
     p->ld = ld;
-    p->lines = (bytes + 63) / 64;
-    p->n = 0;
-    p->total = base != NULL ? rows * p->lines : 0;
+    p->bytes = bytes;
+    p->off = 0;
+    p->rows = rows;
 }
 
 static inline void pf_next(prefetcher *p, int count, int hint_l1) {
-    for (int q = 0; q < count && p->n < p->total; q++, p->n++) {
-        const char *line = p->base + p->n / p->lines * p->ld + p->n % p->lines * 64;
-        if (hint_l1) __builtin_prefetch(line, 0, 3);
-        else __builtin_prefetch(line, 0, 2);
+    for (int q = 0; q < count && p->row != NULL; q++) {
+        if (hint_l1) __builtin_prefetch(p->row + p->off, 0, 3);
+        else __builtin_prefetch(p->row + p->off, 0, 2);
+        p->off += 64;
+        if (p->off >= p->bytes) {
+            p->off = 0;
+            p->row = --p->rows > 0 ? p->row + p->ld : NULL;
+        }
     }
 }
 
