@@ -116,13 +116,13 @@ def test_mul_mat_wide_batch_crosses_column_blocks(n_threads):
         assert np.array_equal(got[:, :, c].view(np.uint32), alone[:, :, 0].view(np.uint32)), c
 
 
-# (K, M, N, a planes, b planes, layout of a, layout of b): the packed prefill path (16 or more
+# (K, M, N, a planes, b planes, layout of a, layout of b): the packed prefill path (24 or more
 # columns) -- k tails and several k blocks, odd M across row blocks, planes with broadcast,
 # strided and swapped views, and more columns than one slab of results (512)
 PACKED_SHAPES = [
     (1100, 131, 40, (1, 1), (1, 1), "strided", "contig"),
-    (517, 67, 19, (2, 1), (4, 1), "contig", "strided"),
-    (64, 9, 23, (2, 3), (2, 3), "swapped", "strided"),
+    (517, 67, 27, (2, 1), (4, 1), "contig", "strided"),
+    (64, 9, 25, (2, 3), (2, 3), "swapped", "strided"),
     (77, 70, 530, (1, 1), (1, 1), "contig", "contig"),
 ]
 
