@@ -625,6 +625,11 @@ def main(argv=None):
                 f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
                 f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
                 f"this machine, not counting the benchmark's own busy process).", ""]
+        cores = len(os.sched_getaffinity(0))
+        if max(os.getloadavg()[0], float(machine0.rsplit("load average ", 1)[1].split(",")[0])) > cores:
+            text += [f"The machine was shared and loaded during this run (a load average above its {cores} cores: "
+                     f"other processes held cores), so absolute times are inflated and noisy; the ratios, "
+                     f"measured alternately in one process, are the figures to compare.", ""]
         if out:
             text += ["Rows without the benchmark's busy process (medians of alternating repetitions; the "
                      "machine's other load is whatever the load average says):", "", "```", *out, "```", ""]
