@@ -16,7 +16,8 @@ own 1-thread time. The last lines are
     min ratio ggml/minigraph: R (...)          (over the quiet rows)
 minigraph is timed through `backend.graph_compute(gf)` on a graph whose plan is cached (the
 Python entry cost included); ggml through `ggml_graph_compute` on a prebuilt graph and cplan with
-a persistent threadpool; NumPy as one idiomatic expression (BLAS threading is its own).
+a persistent threadpool; NumPy as one idiomatic expression, its OpenBLAS limited to the row's T threads
+(when the setter is found; the table header says which).
 """
 from __future__ import annotations
 
@@ -248,10 +249,46 @@ class GgmlRunner:
             self.ctx = None
 
 
+def _openblas_thread_setter():
+    """NumPy's OpenBLAS thread-count setter (ctypes), or None: found among the libraries this
+    process has loaded, under the names the scipy-openblas wheels and plain builds export."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[5] for ln in f if len(ln.split()) > 5 and "openblas" in ln.split()[5].lower()})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                return fn
+    return None
+
+
+np.ones((64, 64), np.float32) @ np.ones((64, 64), np.float32)   # loads NumPy's BLAS
+SET_BLAS_THREADS = _openblas_thread_setter()
+
+
+def numpy_threads(n: int) -> str:
+    """Let NumPy's BLAS use n threads (the row's T), so that a T-thread row compares like with like."""
+    if SET_BLAS_THREADS is None:
+        return "NumPy's BLAS threads: its own (no OpenBLAS setter found)"
+    SET_BLAS_THREADS(n)
+    return "NumPy's BLAS threads: T (set per row)"
+
+
 def bench_case(case, n_threads, reps, min_time):
     op, shape, build, numpy_fn, _ = case
     m = MgRunner(build, n_threads)
     arrs = [m.b.data[t].copy() for t in m.b.data]
+    numpy_threads(n_threads)
     runners = {"minigraph": m, "numpy": lambda: numpy_fn(arrs)}
     gg = None
     if go is not None:
@@ -517,7 +554,7 @@ def main(argv=None):
     gemm = None
     if not args.contention:
         bw = copy_bandwidth()
-        out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
+        out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {numpy_threads(1)}")
         out.append(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
                    f"{'ggml/mg':>8s} {'np/mg':>8s} {'GB/s':>6s} {'%copy':>6s}")
         print(out[0])
@@ -588,6 +625,11 @@ def main(argv=None):
                 f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
                 f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
                 f"this machine, not counting the benchmark's own busy process).", ""]
+        cores = len(os.sched_getaffinity(0))
+        if max(os.getloadavg()[0], float(machine0.rsplit("load average ", 1)[1].split(",")[0])) > cores:
+            text += [f"The machine was shared and loaded during this run (a load average above its {cores} cores: "
+                     f"other processes held cores), so absolute times are inflated and noisy; the ratios, "
+                     f"measured alternately in one process, are the figures to compare.", ""]
         if out:
             text += ["Rows without the benchmark's busy process (medians of alternating repetitions; the "
                      "machine's other load is whatever the load average says):", "", "```", *out, "```", ""]

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from .alloc import output_ids, plan_graph
+from .alloc import allocation_error, check_host_allocation, output_ids, plan_graph
 from .errors import OpError
 from .registry import OPS, writes_through
 from .sources import reading
@@ -58,7 +58,9 @@ class Backend:
     wide_types: frozenset = frozenset()
 
     # -- memory ---------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        """A buffer of nbytes; ``tensors`` (what it is for) name the culprit in the MemoryError
+        raised, before anything is written, when the memory cannot be had."""
         raise NotImplementedError
 
     def write_tensor(self, t: Tensor, array: np.ndarray):
@@ -114,7 +116,7 @@ class Backend:
                 entry[3] = output_epoch()
         if entry is None:
             plan = plan_graph(nodes, guard=self.guard, keep=keep)
-            buf = self.alloc_buffer(plan.size, "compute")
+            buf = self.alloc_buffer(plan.size, "compute", plan.tensors)
             if self.guard:
                 self.fill_guards(buf, plan)
             entry = gf.cache[key] = [plan, buf, -1, output_epoch()]
@@ -160,10 +162,14 @@ class Backend:
 class HostBackend(Backend):
     """A backend whose memory is host RAM (ref, cpu:N): NumPy arrays of bytes."""
 
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        check_host_allocation(nbytes, self.name, tensors)
         # 64-byte aligned like ggml's buffers: the planner's 64-byte offsets then land on cache
         # lines, which the CPU kernels' aligned and streaming stores rely on for speed
-        raw = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        try:
+            raw = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        except MemoryError:
+            raise allocation_error(nbytes, self.name, tensors) from None
         start = (-raw.ctypes.data) % 64
         return Buffer(self, nbytes, usage, raw[start:start + max(nbytes, 1)])
 
@@ -228,9 +234,24 @@ def _load_kind(kind: str):
 _NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N' or 'meta(dev,dev,...)'"
 
 
-def backend(name: str) -> Backend:
+def backend(name: str, threads: int | None = None) -> Backend:
     """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a device made of
-    several others, e.g. the meta device 'meta(cpu:0,cpu:1)'."""
+    several others, e.g. the meta device 'meta(cpu:0,cpu:1)'. ``threads`` sets the device's
+    thread count (devices are shared: it holds for every user of that device); a device without
+    one refuses it."""
+    be = _device(name)
+    if threads is not None:
+        setter = getattr(be, "set_n_threads", None)
+        if setter is None:
+            raise ValueError(f"device {be.name} has no thread count: threads= applies to cpu devices")
+        try:
+            setter(threads)
+        except ValueError as e:
+            raise ValueError(f"device {be.name}: threads={threads!r}: {e}") from None
+    return be
+
+
+def _device(name: str) -> Backend:
     if not isinstance(name, str):
         raise ValueError(f"a device name is a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
     text = name.strip()
@@ -277,7 +298,7 @@ def alloc_ctx_tensors(ctx: Context, be: Backend, usage: str = "weights") -> Buff
     for t in leaves:
         offs.append(total)
         total += (t.nbytes() + 63) // 64 * 64
-    buf = be.alloc_buffer(total, usage)
+    buf = be.alloc_buffer(total, usage, leaves)
     for t, o in zip(leaves, offs):
         t.buffer, t.offs = buf, o
     bind = getattr(be, "bind_tensors", None)   # the meta device slices weights/caches per device

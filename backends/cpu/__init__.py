@@ -120,8 +120,8 @@ class CpuBackend(HostBackend):
         self.plans_built = 0
 
     def set_n_threads(self, n: int) -> "CpuBackend":
-        """Threads per plan run (the caller's and n - 1 pool workers). n must be a positive
-        integer; more than the cores is allowed (warned once per process): the executor never
+        """Threads per plan run (the caller's and n - 1 pool workers). n must be an integer from
+        1 to the pool's limit (mg_thread_limit, 512); more than the cores is allowed (warned once per process): the executor never
         waits for a thread that is not running, but extra threads buy nothing."""
         global _oversubscribed_warned
         if isinstance(n, bool):
@@ -132,6 +132,9 @@ class CpuBackend(HostBackend):
             raise ValueError(f"n_threads must be a positive integer, got {n!r}") from None
         if n < 1:
             raise ValueError(f"n_threads must be >= 1, got {n}")
+        if n > lib.mg_thread_limit():
+            raise ValueError(f"n_threads must be at most {lib.mg_thread_limit()} (the CPU backend's "
+                             f"thread pool), got {n}")
         cores = _cores()
         if n > cores and not _oversubscribed_warned:
             _oversubscribed_warned = True

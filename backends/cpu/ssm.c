@@ -160,6 +160,35 @@ static inline __attribute__((always_inline)) void conv_job16_256(const float *co
 #define CONV_HAVE_VEC 1
 #endif
 
+#if defined(__AVX2__)
+/* decode with 4 taps, rows of taps back to back in x and w: 8 channels per step. The products
+ * x*w are formed in place (channel pairs per vector), a 4x4 transpose per 128-bit half gives one
+ * vector per tap, and each lane adds ((0 + p0) + p1) + p2) + p3 like the scalar loop; a lane
+ * permutation restores channel order. Returns the first channel not done. */
+static int64_t conv_decode4_avx2(const float *x, const float *w, float *o, int64_t c0, int64_t c1) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {
+        const float *xi = x + 4 * i, *wi = w + 4 * i;
+        const __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xi), _mm256_loadu_ps(wi));            /* ch i, i+1 */
+        const __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xi + 8), _mm256_loadu_ps(wi + 8));    /* i+2, i+3 */
+        const __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(xi + 16), _mm256_loadu_ps(wi + 16));  /* i+4, i+5 */
+        const __m256 p3 = _mm256_mul_ps(_mm256_loadu_ps(xi + 24), _mm256_loadu_ps(wi + 24));  /* i+6, i+7 */
+        const __m256 t0 = _mm256_unpacklo_ps(p0, p1), t1 = _mm256_unpackhi_ps(p0, p1);
+        const __m256 t2 = _mm256_unpacklo_ps(p2, p3), t3 = _mm256_unpackhi_ps(p2, p3);
+        /* per half: tap k of channels (i, i+2, i+4, i+6) low, (i+1, i+3, i+5, i+7) high */
+        const __m256 k0 = _mm256_shuffle_ps(t0, t2, 0x44), k1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        const __m256 k2 = _mm256_shuffle_ps(t1, t3, 0x44), k3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        __m256 acc = _mm256_add_ps(_mm256_setzero_ps(), k0);
+        acc = _mm256_add_ps(acc, k1);
+        acc = _mm256_add_ps(acc, k2);
+        acc = _mm256_add_ps(acc, k3);
+        _mm256_storeu_ps(o + i, _mm256_permutevar8x32_ps(acc, order));
+    }
+    return i;
+}
+#endif
+
 void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
     const mg_tensor *sx = &n->src[0];
     const mg_tensor *c = &n->src[1];
@@ -193,7 +222,11 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
                 /* rows of 4 taps packed back to back in both: constant strides vectorise */
                 const float *x = (const float *)mg_ptr(sx, t0, 0, s, 0);            /* [4, d_inner] */
                 const float *w = (const float *)c->data;                            /* [4, d_inner] */
-                for (int64_t i = c0; i < c1; i++) {
+                int64_t i = c0;
+#if defined(__AVX2__)
+                i = conv_decode4_avx2(x, w, o, c0, c1);
+#endif
+                for (; i < c1; i++) {
                     float acc = 0.0f;
                     acc = acc + x[4 * i + 0] * w[4 * i + 0];
                     acc = acc + x[4 * i + 1] * w[4 * i + 1];

@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node, register_backend
+from minigraph.alloc import allocation_error
 from minigraph.errors import OpError
 from minigraph.ops.elementwise import BINARY, UNARY
 from minigraph.ops.index import check_indices
@@ -214,8 +215,12 @@ class CudaBackend(Backend):
         self.dev = device if device is not None else CupyDevice(index)
 
     # -- memory ---------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
-        return Buffer(self, nbytes, usage, self.dev.alloc(max(nbytes, 1)))
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        try:
+            mem = self.dev.alloc(max(nbytes, 1))
+        except MemoryError:          # CuPy's OutOfMemoryError is one: name the tensor instead
+            raise allocation_error(nbytes, self.name, tensors, "the device is out of memory") from None
+        return Buffer(self, nbytes, usage, mem)
 
     def _opnd(self, t) -> Opnd:
         buf, offs = t.storage()
