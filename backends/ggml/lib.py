@@ -99,7 +99,11 @@ def lib_dir() -> Path:
 
 
 def _find(d: Path, name: str) -> Path:
-    for cand in (d / f"{name}.so", *sorted(d.glob(f"{name}.so.*")), d / f"{name}.dylib"):
+    # the file named like its SONAME first (lib.so.0): wheels ship copies, not links, of lib.so,
+    # lib.so.0 and lib.so.0.x.y, and loading lib.so while libggml's DT_NEEDED pulls in lib.so.0
+    # would put two copies of one library (two RPC connection tables) in the process
+    sonames = sorted(p for p in d.glob(f"{name}.so.*") if p.name.count(".") == 2)
+    for cand in (*sonames, d / f"{name}.so", *sorted(d.glob(f"{name}.so.*")), d / f"{name}.dylib"):
         if cand.exists():
             return cand
     raise GgmlLoadError(f"{d} has no {name}.so (MINIGRAPH_LIBGGML or llama_cpp/lib must hold "
