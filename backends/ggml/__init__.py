@@ -14,6 +14,7 @@ import numpy as np
 
 from minigraph.backend import Backend, Buffer, host_view, register_backend
 from minigraph.errors import OpError
+from minigraph.registry import OPS
 
 from . import names, rpc
 from .graph import cached_graph
@@ -68,16 +69,19 @@ class GgmlBackend(Backend):
         return self
 
     # -- liveness ---------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.device.kind != "rpc" or not connection_lost(self.device.host, self.device.port)
+
     def check_alive(self):
         """Before touching an RPC device: a connection the server closed (it stopped or was killed)
         is a one-line error here, instead of an abort inside ggml's client."""
-        if self.device.kind == "rpc" and connection_lost(self.device.host, self.device.port):
+        if not self.alive():
             raise OpError(f"device {self.name}: the RPC server closed the connection (it stopped or was killed)")
 
     # -- memory -----------------------------------------------------------------------------
     def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
         self.check_alive()
-        return Buffer(self, nbytes, usage, GgmlMemory(self.lib, self.handle, nbytes))
+        return Buffer(self, nbytes, usage, GgmlMemory(self.lib, self.handle, nbytes, alive=self.alive))
 
     def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
         self.check_alive()
@@ -114,7 +118,9 @@ class GgmlBackend(Backend):
 
     # -- compute ----------------------------------------------------------------------------
     def supports_op(self, node) -> bool:
-        return translation_problem(node.op) is None
+        # every registered op: one without a ggml translation is refused when its graph is built,
+        # with the reason, rather than moved to another device behind the user's back
+        return node.op in OPS
 
     def compute_nodes(self, nodes, cache=None):
         self.check_alive()

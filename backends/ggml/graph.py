@@ -43,6 +43,7 @@ class GgmlGraph:
                 self._lower(node)
         for node in compute:
             lib.ggml_build_forward_expand(self.cgraph, self.by_id[node.id])
+        self.empty = not compute          # only views: nothing to run (ggml's RPC client asserts on it)
         self.sig = self.signature()
         self.epoch = bind_epoch()
 
@@ -113,6 +114,8 @@ class GgmlGraph:
         return False
 
     def compute(self):
+        if self.empty:
+            return
         status = self.backend.lib.ggml_backend_graph_compute(self.backend.handle, self.cgraph)
         if status != 0:
             raise OpError(f"device {self.backend.name}: ggml_backend_graph_compute failed (status {status})")

@@ -12,7 +12,7 @@ GGML_TYPE_I8 = 24
 
 
 class GgmlMemory:
-    def __init__(self, lib, handle, nbytes: int):
+    def __init__(self, lib, handle, nbytes: int, alive=lambda: True):
         ffi = lib.ffi
         self.lib = lib
         size = max(int(nbytes), 1)
@@ -29,7 +29,7 @@ class GgmlMemory:
         status = lib.ggml_backend_tensor_alloc(self.buffer, self.whole, self.base)
         if status != 0:
             raise MemoryError(f"ggml_backend_tensor_alloc of a {size}-byte buffer failed (status {status})")
-        weakref.finalize(self, _free, lib, self.buffer, self.ctx)
+        weakref.finalize(self, _free, lib, self.buffer, self.ctx, alive)
 
     def get(self, offs: int, n: int):
         """n bytes from offs, as a bytearray."""
@@ -47,6 +47,7 @@ class GgmlMemory:
         self.lib.ggml_backend_buffer_clear(self.buffer, value)
 
 
-def _free(lib, buffer, ctx):
+def _free(lib, buffer, ctx, alive):
     lib.ggml_free(ctx)
-    lib.ggml_backend_buffer_free(buffer)
+    if alive():       # freeing on a server that is gone would abort in ggml's RPC client: leave it
+        lib.ggml_backend_buffer_free(buffer)
