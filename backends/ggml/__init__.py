@@ -81,7 +81,7 @@ class GgmlBackend(Backend):
     # -- memory -----------------------------------------------------------------------------
     def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
         self.check_alive()
-        return Buffer(self, nbytes, usage, GgmlMemory(self.lib, self.handle, nbytes, alive=self.alive))
+        return Buffer(self, nbytes, usage, GgmlMemory(self.lib, self.handle, nbytes, usage, alive=self.alive))
 
     def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
         self.check_alive()

@@ -37,6 +37,7 @@ void ggml_backend_buffer_free(ggml_backend_buffer_t buffer);
 void * ggml_backend_buffer_get_base(ggml_backend_buffer_t buffer);
 size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer);
 void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value);
+void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer, int usage);
 void ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
 void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
 void ggml_backend_synchronize(ggml_backend_t backend);

@@ -9,10 +9,13 @@ from __future__ import annotations
 import weakref
 
 GGML_TYPE_I8 = 24
+# minigraph's buffer usage -> ggml's (enum ggml_backend_buffer_usage): ggml's scheduler places an op
+# that reads a tensor of a WEIGHTS buffer on that buffer's device, as minigraph's does
+USAGE = {"any": 0, "weights": 1, "compute": 2}
 
 
 class GgmlMemory:
-    def __init__(self, lib, handle, nbytes: int, alive=lambda: True):
+    def __init__(self, lib, handle, nbytes: int, usage: str = "any", alive=lambda: True):
         ffi = lib.ffi
         self.lib = lib
         size = max(int(nbytes), 1)
@@ -20,6 +23,7 @@ class GgmlMemory:
         if self.buffer == ffi.NULL:
             raise MemoryError(f"{ffi.string(lib.ggml_backend_name(handle)).decode()}: could not allocate "
                               f"a buffer of {size} bytes")
+        lib.ggml_backend_buffer_set_usage(self.buffer, USAGE[usage])
         self.base = lib.ggml_backend_buffer_get_base(self.buffer)
         self.address = int(ffi.cast("uintptr_t", self.base))
         self.ctx = lib.ggml_init({"mem_size": 2 * lib.ggml_tensor_overhead(), "mem_buffer": ffi.NULL,
