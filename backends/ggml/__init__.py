@@ -145,6 +145,21 @@ def _factory(rest: str) -> GgmlBackend:
     return be
 
 
+def _by_index(idx: int) -> GgmlBackend:
+    """'ggml' is ggml:cpu; 'ggml:N' the N-th device the loaded library enumerates."""
+    if idx == 0:
+        return _factory("cpu")
+    try:
+        lib = load()
+    except GgmlLoadError as e:
+        raise OpError(f"device ggml:{idx}: {e}") from None
+    n = lib.ggml_backend_dev_count()
+    if idx >= n:
+        raise ValueError(f"unknown device 'ggml:{idx}': the ggml in {lib.dir} enumerates {n} device(s)")
+    return _factory(lib.ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_dev_get(idx))).decode())
+
+
 register_backend("ggml", _factory, named=True)
+register_backend("ggml", _by_index)
 
 __all__ = ["GgmlBackend", "GgmlLoadError"]
