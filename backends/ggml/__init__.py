@@ -21,7 +21,7 @@ from .graph import cached_graph
 from .lib import GgmlLoadError, load
 from .lowering import translation_problem
 from .memory import GgmlMemory
-from .tcp_state import connection_lost
+from .tcp_state import ConnectionWatch
 
 _DEVICES: dict = {}
 
@@ -44,6 +44,7 @@ class GgmlBackend(Backend):
         if handle == ffi.NULL:
             raise OpError(f"device {self.name}: ggml could not initialize it")
         self.handle = handle
+        self.watch = ConnectionWatch(dev.host, dev.port) if dev.kind == "rpc" else None
         self.graphs_built = 0
         self.own_graphs: dict = {}
 
@@ -70,7 +71,7 @@ class GgmlBackend(Backend):
 
     # -- liveness ---------------------------------------------------------------------------
     def alive(self) -> bool:
-        return self.device.kind != "rpc" or not connection_lost(self.device.host, self.device.port)
+        return self.watch is None or not self.watch.lost()
 
     def check_alive(self):
         """Before touching an RPC device: a connection the server closed (it stopped or was killed)

@@ -2,9 +2,11 @@
 
 ggml's RPC client keeps one connection per server and aborts the process on the next call if the
 server is gone. The kernel knows earlier: when the server process ends, our side of the
-connection goes to CLOSE_WAIT. This reads that state from /proc/net/tcp{,6} for the sockets this
-process owns (its /proc/self/fd links), so a dead server is reported before any call is made.
-Elsewhere (no /proc) it answers False and ggml's own behaviour applies."""
+connection goes to CLOSE_WAIT. `ConnectionWatch` finds ggml's socket once (the descriptor of this
+process whose /proc/net/tcp{,6} entry goes to the endpoint) and then asks it with one
+non-blocking peek per check: end-of-file means the server closed it. Between two RPC calls
+nothing is in flight, so a live connection has nothing to read. Elsewhere (no /proc) it answers
+False and ggml's own behaviour applies."""
 from __future__ import annotations
 
 import os
@@ -13,8 +15,9 @@ import socket
 _ESTABLISHED, _CLOSE_WAIT = "01", "08"
 
 
-def _own_socket_inodes() -> set[str]:
-    out = set()
+def _own_socket_inodes() -> dict[str, int]:
+    """socket inode -> file descriptor, for this process's sockets."""
+    out = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -25,7 +28,7 @@ def _own_socket_inodes() -> set[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            out.add(target[8:-1])
+            out[target[8:-1]] = int(fd)
     return out
 
 
@@ -48,11 +51,11 @@ def _hex_endpoint(host: str, port: int) -> set[str]:
     return forms
 
 
-def connection_lost(host: str, port: int) -> bool:
-    """True when a connection of this process to host:port exists and none of them is open."""
+def _connections(host: str, port: int) -> list[tuple[str, int]]:
+    """(state, fd) of each connection of this process to host:port."""
     inodes = _own_socket_inodes()
     remotes = _hex_endpoint(host, port)
-    states = []
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -62,5 +65,37 @@ def connection_lost(host: str, port: int) -> bool:
         for line in lines:
             cols = line.split()
             if len(cols) > 9 and cols[2] in remotes and cols[9] in inodes:
-                states.append(cols[3])
+                found.append((cols[3], inodes[cols[9]]))
+    return found
+
+
+def connection_lost(host: str, port: int) -> bool:
+    """True when a connection of this process to host:port exists and none of them is open."""
+    states = [state for state, _ in _connections(host, port)]
     return bool(states) and _ESTABLISHED not in states
+
+
+class ConnectionWatch:
+    """Cheap repeated checks of ggml's one connection to host:port (see the module docstring)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.sock = None
+
+    def _find(self):
+        open_fds = [fd for state, fd in _connections(self.host, self.port) if state == _ESTABLISHED]
+        if len(open_fds) == 1:              # ours (a duplicate shares the one connection)
+            self.sock = socket.socket(fileno=os.dup(open_fds[0]))
+
+    def lost(self) -> bool:
+        if self.sock is None:
+            self._find()
+            if self.sock is None:
+                return connection_lost(self.host, self.port)
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False                    # open, nothing to read: alive
+        except OSError:
+            return True                     # reset
+        return data == b""
