@@ -62,11 +62,11 @@ class GgmlBackend(Backend):
                          f"(and ggml:rpc://HOST:PORT for an RPC server)")
 
     def set_n_threads(self, n: int) -> "GgmlBackend":
-        if self.device.kind != "cpu":
-            raise ValueError(f"{self.name}: only ggml:cpu takes a thread count (an RPC server sets its own)")
+        """Threads of ggml:cpu. Other devices keep theirs (an RPC server's are its --threads)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n_threads must be a positive integer, got {n!r}")
-        self.lib.ggml_backend_cpu_set_n_threads(self.handle, n)
+        if self.device.kind == "cpu":
+            self.lib.ggml_backend_cpu_set_n_threads(self.handle, n)
         return self
 
     # -- liveness ---------------------------------------------------------------------------
