@@ -172,3 +172,14 @@ def test_the_op_oracle_and_the_ggml_backend_refuse_to_share_a_process():
     p = subprocess.run([sys.executable, "-c", _SNIPPET.format(setup="import minigraph.testing.ggml_oracle")],
                        capture_output=True, text=True, timeout=120)
     assert "another ggml is already loaded in this process" in p.stdout + p.stderr, p
+
+
+def test_the_op_table_runs_on_ggml_cpu():
+    """Every op case (random shapes, strided and permuted views; minigraph.testing.op_cases)
+    through the ggml backend against the NumPy reference: the lowering on ggml 0.25."""
+    import json
+    p = minigraph_cmd("check", "--backends", "ref,ggml:cpu", "--seeds", "2", "--json", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    out = json.loads(p.stdout)
+    assert out["cases"] > 100 and out["columns"] == 2
+    assert out["failed"] == 0 and out["not_run"] == 0
