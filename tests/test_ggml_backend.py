@@ -122,6 +122,36 @@ def test_refused_endpoint_is_a_one_line_error_at_creation():
     assert f"ggml:rpc://127.0.0.1:{port}" in line and "cannot connect" in line
 
 
+def test_a_silent_or_foreign_endpoint_is_a_one_line_error_not_a_hang():
+    """Something listens but is no ggml RPC server: ggml's own connect and handshake would hang
+    or abort; the probe's HELLO under a timeout reports it."""
+    import socket
+    import threading
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)                       # accepts (in the backlog), never answers
+    foreign = socket.socket()
+    foreign.bind(("127.0.0.1", 0))
+    foreign.listen(4)
+
+    def answer_http():
+        conn, _ = foreign.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    threading.Thread(target=answer_http, daemon=True).start()
+    try:
+        for sock, words in ((silent, "no answer from"), (foreign, "not a usable ggml RPC server")):
+            port = sock.getsockname()[1]
+            p = minigraph_cmd("run", "mamba2", "--devices", f"ggml:rpc://127.0.0.1:{port},cpu", timeout=60)
+            assert p.returncode == 2
+            line = one_line_error(p)
+            assert f"ggml:rpc://127.0.0.1:{port}" in line and words in line, line
+    finally:
+        silent.close()
+        foreign.close()
+
+
 @pytest.mark.parametrize("name, words", [("ggml:rpc://nohostport", "ggml:rpc://HOST:PORT"),
                                          ("ggml:rpc://127.0.0.1:99999", "port 99999"),
                                          ("ggml:no such", "bad device name"),
