@@ -202,7 +202,8 @@ _NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N', 'ggml:DEVICE' or 'meta(d
 
 
 def backend(name: str) -> Backend:
-    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a device made of
+    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', a named device of a
+    kind registered with named=True (e.g. 'ggml:cpu', 'ggml:rpc://HOST:PORT'), or a device made of
     several others, e.g. the meta device 'meta(cpu:0,cpu:1)'."""
     if not isinstance(name, str):
         raise ValueError(f"a device name is a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
