@@ -207,20 +207,23 @@ class HostBackend(Backend):
 # "minigraph.backends" entry-point group (pyproject.toml), so it never imports a backend by name.
 _FACTORIES: dict = {}
 _COMPOSITES: dict = {}
+_NAMED: dict = {}
 _INSTANCES: dict = {}
 ENTRY_POINT_GROUP = "minigraph.backends"
 
 
-def register_backend(kind: str, factory, *, composite: bool = False):
+def register_backend(kind: str, factory, *, composite: bool = False, named: bool = False):
     """Register a device kind. factory(index: int) -> Backend serves names 'kind' and 'kind:N';
-    with composite=True, factory(inner_names: list[str]) -> Backend serves 'kind(dev,dev,...)'."""
-    (_COMPOSITES if composite else _FACTORIES)[kind] = factory
+    with composite=True, factory(inner_names: list[str]) -> Backend serves 'kind(dev,dev,...)';
+    with named=True, factory(rest: str) -> Backend serves 'kind:REST' for any text REST (the
+    factory checks it, and the Backend's name is the canonical form)."""
+    (_COMPOSITES if composite else _NAMED if named else _FACTORIES)[kind] = factory
 
 
 def known_kinds() -> list[str]:
     """Every device kind that is registered or installed (whether or not it can load here)."""
     from importlib.metadata import entry_points
-    return sorted(set(_FACTORIES) | set(_COMPOSITES) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted(set(_FACTORIES) | set(_COMPOSITES) | set(_NAMED) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def _load_kind(kind: str):
@@ -231,11 +234,12 @@ def _load_kind(kind: str):
             return
 
 
-_NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N' or 'meta(dev,dev,...)'"
+_NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N', 'ggml:DEVICE' or 'meta(dev,dev,...)'"
 
 
 def backend(name: str, threads: int | None = None) -> Backend:
-    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a device made of
+    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', a named device of a
+    kind registered with named=True (e.g. 'ggml:cpu', 'ggml:rpc://HOST:PORT'), or a device made of
     several others, e.g. the meta device 'meta(cpu:0,cpu:1)'. ``threads`` sets the device's
     thread count (devices are shared: it holds for every user of that device); a device without
     one refuses it."""
@@ -255,6 +259,14 @@ def _device(name: str) -> Backend:
     if not isinstance(name, str):
         raise ValueError(f"a device name is a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
     text = name.strip()
+    named = re.fullmatch(r"([a-z]+):(.*)", text)
+    if named and not named.group(2).isdigit():
+        kind = named.group(1)
+        if kind not in _NAMED:
+            _load_kind(kind)
+        if kind in _NAMED:
+            be = _NAMED[kind](named.group(2))
+            return _INSTANCES.setdefault(be.name, be)
     m = re.fullmatch(r"([a-z]+)\((.*)\)", text) or re.fullmatch(r"([a-z]+)(?::(\d+))?", text)
     if not m:
         raise ValueError(f"bad device name {name!r}: {_NAME_HELP}")
