@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.alloc import allocation_error, check_host_allocation
 from minigraph.backend import Backend, Buffer, host_view, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
@@ -79,9 +80,15 @@ class GgmlBackend(Backend):
             raise OpError(f"device {self.name}: the RPC server closed the connection (it stopped or was killed)")
 
     # -- memory -----------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
         self.check_alive()
-        return Buffer(self, nbytes, usage, GgmlMemory(self.lib, self.handle, nbytes, usage, alive=self.alive))
+        if self.device.kind == "cpu":       # this machine's memory: refuse before malloc grants it lazily
+            check_host_allocation(nbytes, self.name, tensors)
+        try:
+            mem = GgmlMemory(self.lib, self.handle, nbytes, usage, alive=self.alive)
+        except MemoryError:
+            raise allocation_error(nbytes, self.name, tensors) from None
+        return Buffer(self, nbytes, usage, mem)
 
     def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
         self.check_alive()
