@@ -1,6 +1,7 @@
 /* Copies that move data: CPY (with type conversion) / CONT, CONCAT, REPEAT. */
 #include <stdlib.h>
 #include "mg.h"
+#include "quant.h"
 
 #define CONV_LOOP(DT, ST, EXPR)                                                      \
     do {                                                                             \
@@ -19,6 +20,16 @@
 
 /* dst: n elements of type dt at stride dnb; src: n elements of type st at stride snb */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n) {
+    if (mg_blck_size(st) > 1 || mg_blck_size(dt) > 1) {
+        /* block types: whole rows only (dense by the shape rules) */
+        if (dt == st) memcpy(dst, src, (size_t)mg_row_bytes(st, n));
+        else if (dt == MG_F32 && dnb == 4) mg_to_f32_row(st, src, (float *)dst, n);
+        return;
+    }
+    if (st == MG_BF16 || dt == MG_BF16) {   /* bf16 <-> f32 (and bf16 -> bf16 below) */
+        if (st == MG_BF16 && dt == MG_F32) { CONV_LOOP(float, uint16_t, mg_bf16_to_fp32(x)); return; }
+        if (st == MG_F32 && dt == MG_BF16) { CONV_LOOP(uint16_t, float, mg_fp32_to_bf16(x)); return; }
+    }
     if (dt == st) {
         int es = mg_type_size(dt);
         if (dnb == es && snb == es) { memcpy(dst, src, (size_t)(n * es)); return; }

@@ -3,7 +3,10 @@
  * so it must stay plain declarations (no #include, no #if). */
 #define MG_MAX_SRC 7
 
-enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3 };
+/* the backend's own type codes (Python maps minigraph types to them); the block types have ggml's
+ * byte layouts (quant.h). MG_Q8_K only appears in the mul_mat work buffer (q4_K/q6_K's dot type). */
+enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3, MG_BF16 = 4, MG_Q4_0 = 5, MG_Q8_0 = 6,
+               MG_Q4_K = 7, MG_Q6_K = 8, MG_Q8_K = 9 };
 
 enum mg_status { MG_OK = 0, MG_ERR_INDEX = 1, MG_ERR_OP = 2 };
 
