@@ -5,7 +5,7 @@ them in a `Graph`, give leaves memory on a backend (`backend("ref" | "cpu" | "cu
 `alloc_ctx_tensors`) and compute. Every op function's help shows its shape rule in ne order
 (dim 0 fastest) and an example; `OPS` is the registry they build from."""
 from .errors import OpError
-from .types import DType, f16, f32, i32, i64
+from .types import DType, bf16, f16, f32, i32, i64, q4_0, q4_k, q6_k, q8_0, row_size
 from .tensor import Context, Tensor
 from .registry import OPS
 from . import ops as _ops  # noqa: F401  (fills the registry)
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # types, tensors, errors
-    "DType", "f32", "f16", "i32", "i64", "Context", "Tensor", "OpError",
+    "DType", "f32", "f16", "i32", "i64", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "row_size", "Context", "Tensor", "OpError",
     # the op registry
     "OPS",
     # op functions: views and reshapes

@@ -51,7 +51,7 @@ def as_type(value, arg: str = "type") -> DType:
     except TypeError:
         np_dtype = None
     for t in ALL_TYPES:
-        if np_dtype is not None and t.np_dtype == np_dtype:
+        if np_dtype is not None and t.numpy_native and t.np_dtype == np_dtype:
             return t
     what = f"NumPy dtype {np_dtype}" if np_dtype is not None else f"{type(value).__name__} {value!r}"
     raise TypeError(f"{arg}: {what} is not a minigraph type; valid types are {_TYPE_HELP} "
@@ -59,8 +59,8 @@ def as_type(value, arg: str = "type") -> DType:
 
 
 def contiguous_strides(dtype: DType, ne: Sequence[int]) -> tuple[int, int, int, int]:
-    nb = [dtype.size]
-    for i in range(1, MAX_DIMS):
+    nb = [dtype.size, dtype.size * (ne[0] // dtype.blck_size)]
+    for i in range(2, MAX_DIMS):
         nb.append(nb[i - 1] * ne[i - 1])
     return tuple(nb)
 
@@ -99,6 +99,9 @@ class Tensor:
         self._ctx = weakref.ref(ctx) if ctx is not None else None
         self.type = as_type(type)
         self.ne = pad_ne(ne)
+        if self.ne[0] % self.type.blck_size:
+            raise OpError(f"tensor {name or op.lower()!r} of {self.type.name}: ne[0]={self.ne[0]} must be a "
+                          f"multiple of the block size {self.type.blck_size}")
         self.nb = tuple(int(x) for x in nb) if nb is not None else contiguous_strides(self.type, self.ne)
         if view_src is not None and view_src.view_src is not None:
             view_offs += view_src.view_offs
@@ -185,16 +188,18 @@ class Tensor:
         return int(np.prod(self.ne))
 
     def nbytes(self) -> int:
-        """The true strided extent in bytes (ggml_nbytes for block size 1)."""
+        """The true strided extent in bytes (ggml_nbytes): dim 0 counts whole blocks."""
         if any(n <= 0 for n in self.ne):
             return 0
+        if self.type.blck_size > 1:
+            return self.ne[0] * self.nb[0] // self.type.blck_size + sum((n - 1) * b for n, b in zip(self.ne[1:], self.nb[1:]))
         return self.type.size + sum((n - 1) * b for n, b in zip(self.ne, self.nb))
 
     def element_size(self) -> int:
         return self.type.size
 
     def row_size(self) -> int:
-        return self.type.size * self.ne[0]
+        return self.type.size * (self.ne[0] // self.type.blck_size)
 
     def n_dims(self) -> int:
         for i in range(MAX_DIMS - 1, 0, -1):
