@@ -21,6 +21,7 @@ from .ops.ssm import ssm_conv, ssm_scan, gated_delta_net
 from .ops.rope import rope, rope_ext, rope_multi
 from .ops.attention import flash_attn_ext
 from .graph import Graph
+from .codec import quantize, dequantize
 from .backend import Backend, Buffer, alloc_ctx_tensors, backend, register_backend
 from .sched import Scheduler
 from .report import PlacementReport
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # types, tensors, errors
-    "DType", "f32", "f16", "i32", "i64", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "row_size", "Context", "Tensor", "OpError",
+    "DType", "f32", "f16", "i32", "i64", "bf16", "q8_0", "q4_0", "q4_k", "q6_k", "row_size", "quantize", "dequantize", "Context", "Tensor", "OpError",
     # the op registry
     "OPS",
     # op functions: views and reshapes

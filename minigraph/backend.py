@@ -13,6 +13,9 @@ from .sources import reading
 from .tensor import Context, Tensor, bind_epoch, output_epoch
 
 GUARD_BYTE = 0xA5
+# f16 sources that came with the weight types (mul_mat's src0): like bf16 and the block types, a
+# backend takes them only when it names "f16" in its wide_types
+F16_WEIGHT_SOURCES = {("MUL_MAT", "a", "f16")}
 _buffer_ids = itertools.count()
 
 
@@ -33,11 +36,16 @@ class Buffer:
 
 def host_view(mem: np.ndarray, offs: int, t: Tensor) -> np.ndarray:
     """A NumPy-order strided view ([ne3, ne2, ne1, ne0]) of a tensor in host memory; reads of
-    overlapping windows are fine, and bounds were checked when the view was made."""
-    shape = tuple(reversed(t.ne))
+    overlapping windows are fine, and bounds were checked when the view was made. Block types
+    give their rows' raw bytes, [ne3, ne2, ne1, row bytes] (views keep whole blocks in dim 0)."""
+    if t.type.is_quantized:
+        shape = (t.ne[3], t.ne[2], t.ne[1], t.row_size())
+        strides = (t.nb[3], t.nb[2], t.nb[1], 1)
+    else:
+        shape, strides = tuple(reversed(t.ne)), tuple(reversed(t.nb))
     if t.nelements() == 0:
         return np.zeros(shape, t.type.np_dtype)
-    return np.ndarray(shape, t.type.np_dtype, buffer=mem, offset=offs, strides=tuple(reversed(t.nb)))
+    return np.ndarray(shape, t.type.np_dtype, buffer=mem, offset=offs, strides=strides)
 
 
 class Backend:
@@ -45,6 +53,9 @@ class Backend:
 
     name = "?"
     guard = 0   # bytes of guard pattern after each planned intermediate (tests set it)
+    # bf16 and block types (by name) whose sources this backend's kernels read; a compute node
+    # with any other such source is not run here (see `runs`), whatever supports_op says
+    wide_types: frozenset = frozenset()
 
     # -- memory ---------------------------------------------------------------------------
     def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
@@ -66,6 +77,21 @@ class Backend:
     # -- compute --------------------------------------------------------------------------
     def supports_op(self, node: Tensor) -> bool:
         raise NotImplementedError
+
+    def missing_type(self, node: Tensor) -> str | None:
+        """The name of a bf16 or block type among a compute node's sources that this backend's
+        kernels do not take, or None (views move no data and take every type)."""
+        if node.op == "NONE" or OPS[node.op].is_view:
+            return None
+        for k, s in node.srcs.items():
+            wide = not s.type.numpy_native or (node.op, k, s.type.name) in F16_WEIGHT_SOURCES
+            if wide and s.type.name not in self.wide_types:
+                return s.type.name
+        return None
+
+    def runs(self, node: Tensor) -> bool:
+        """This backend has a kernel for the node's op and for its sources' types."""
+        return self.supports_op(node) and self.missing_type(node) is None
 
     def compute_nodes(self, nodes: list[Tensor], cache: dict | None = None):
         """Run ``nodes`` in order. ``cache`` is the owner's per-graph dict (a Graph's or a
@@ -116,6 +142,10 @@ class Backend:
             for n in gf.nodes:
                 if not self.supports_op(n):
                     raise OpError(f"{n.op} {n.label}: not supported by backend {self.name}")
+                missing = self.missing_type(n)
+                if missing is not None:
+                    raise OpError(f"{n.op} {n.label}: backend {self.name} has no kernel for {missing} sources "
+                                  f"(it takes {', '.join(sorted(self.wide_types)) or 'none'} of bf16 and the block types)")
             gf.cache[checked] = True
         with reading({}):                    # one device: every node reads its own srcs
             plan = self.prepare(gf, gf.nodes)

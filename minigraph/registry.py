@@ -96,6 +96,7 @@ class OpDef:
     ggml: GgmlCall | NotInGgml | None = None
     case_gens: tuple[CaseGen, ...] = ()
     shape: str = ""                     # the shape rule in words, ne order: "a: [K, M, ..] -> [M, ..]"
+    wide_types: bool = False            # its rule accepts bf16 and block types (others refuse them)
 
     def source(self, name: str) -> Src:
         return next(s for s in self.sources if s.name == name)
@@ -132,7 +133,8 @@ OPS: dict[str, OpDef] = {}
 
 
 def op(name: str, srcs=(), params: dict | None = None, *, is_view: bool = False,
-       split: str | None = None, ggml: GgmlCall | NotInGgml | None = None, cases=(), shape: str = ""):
+       split: str | None = None, ggml: GgmlCall | NotInGgml | None = None, cases=(), shape: str = "",
+       wide_types: bool = False):
     """Decorator that registers a shape rule under ``name`` with the op's declaration.
     ``srcs`` entries are source names or `Src` (for roles); ``cases`` one `CaseGen` or several;
     ``shape`` the rule in words, in ne order (shown by docstrings and the README)."""
@@ -149,7 +151,8 @@ def op(name: str, srcs=(), params: dict | None = None, *, is_view: bool = False,
         if name in OPS:
             raise RuntimeError(f"op {name} registered twice")
         OPS[name] = OpDef(name, tuple(s.name for s in sources), params, rule, is_view=is_view,
-                          sources=sources, split=split, ggml=ggml, case_gens=gens, shape=shape)
+                          sources=sources, split=split, ggml=ggml, case_gens=gens, shape=shape,
+                          wide_types=wide_types)
         return rule
     return deco
 
@@ -226,6 +229,11 @@ def build(name: str, ctx=None, /, **kwargs) -> Tensor:
         params[p] = check_param(name, p, ptype, kwargs.pop(p))
     if kwargs:
         fail(name, f"unexpected arguments {sorted(kwargs)}")
+    if not d.wide_types:
+        for s, t in srcs.items():
+            if not t.type.numpy_native:
+                fail(name, f"source '{s}' {t.label} is {t.type.name}: {name} does not take {t.type.name} "
+                           f"(bf16 and block types go to get_rows, mul_mat's src0, cpy/cast and views)")
     out = d.rule(**srcs, **params)
     # no context unless one is given: a node never joins its sources' (weights', caches') context;
     # the graphs, nodes and callers that hold it keep it alive

@@ -160,7 +160,7 @@ class Scheduler:
                       f"backends {[b.name for b in self.backends]}")
 
     def _supports(self, b: int, node: Tensor) -> bool:
-        return node.op == "NONE" or is_view_op(node) or self.backends[b].supports_op(node)
+        return node.op == "NONE" or is_view_op(node) or self.backends[b].runs(node)
 
     def _from_buffer(self, t: Tensor, op_node: Tensor) -> int:
         buf = self._placed_buffer(t)

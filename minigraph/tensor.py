@@ -216,7 +216,7 @@ class Tensor:
         next_nb = self.type.size
         if self.ne[0] != 1 and self.nb[0] != next_nb:
             return False
-        next_nb *= self.ne[0]
+        next_nb *= self.ne[0] // self.type.blck_size     # a row of a block type is whole blocks
         for i in range(1, MAX_DIMS):
             if self.ne[i] != 1:
                 if i > n:
@@ -267,21 +267,43 @@ class Tensor:
         root = self.root()
         return root.buffer.backend if root.buffer is not None else None
 
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """The NumPy shape ``set`` takes and ``numpy`` gives: ``shape`` for element types; for
+        block types (q8_0, q4_k, ...) the rows' raw bytes, shape[:-1] + (row bytes,)."""
+        if not self.type.is_quantized:
+            return self.shape
+        return tuple(reversed(self.ne[1: self.n_dims()])) + (self.row_size(),)
+
     def set(self, array) -> "Tensor":
-        """Write a NumPy array (NumPy order, dtype equal to this tensor's) into the tensor."""
+        """Write a NumPy array (NumPy order, dtype equal to this tensor's) into the tensor.
+
+        bf16 takes its 16-bit patterns (uint16; mg.quantize(x, mg.bf16) makes them from floats);
+        block types take raw blocks: uint8 of ``storage_shape`` or of as many bytes in any shape
+        (or ``bytes``), as mg.quantize returns them."""
+        if self.type.is_quantized and isinstance(array, (bytes, bytearray, memoryview)):
+            array = np.frombuffer(array, np.uint8)
         array = np.asarray(array)
         if array.dtype != self.type.np_dtype:
             raise OpError(f"set {self.label}: dtype {array.dtype} does not match the tensor's "
-                          f"type {self.type.name} ({self.type.np_dtype})")
-        if _pad4(array.shape) != tuple(reversed(self.ne)):
+                          f"type {self.type.name} ({self.type.np_dtype}"
+                          f"{', raw blocks' if self.type.is_quantized else ''})")
+        want = tuple(reversed(self.ne)) if not self.type.is_quantized else \
+            (self.ne[3], self.ne[2], self.ne[1], self.row_size())
+        if self.type.is_quantized and array.size == int(np.prod(want)):
+            array = array.reshape(want)
+        if _pad4(array.shape) != want:
             raise OpError(f"set {self.label}: array shape {array.shape} does not match the "
-                          f"tensor's shape {self.shape} (ne={list(self.ne)})")
+                          f"tensor's shape {self.storage_shape} (ne={list(self.ne)}"
+                          f"{f', {self.type.name} rows of {self.row_size()} bytes' if self.type.is_quantized else ''})")
         buf, _ = self.storage()
-        buf.backend.write_tensor(self, array.reshape(tuple(reversed(self.ne))))
+        buf.backend.write_tensor(self, array.reshape(want))
         return self
 
     def numpy(self) -> np.ndarray:
-        """A copy of the tensor's contents in NumPy order (shape == self.shape).
+        """A copy of the tensor's contents in NumPy order (shape == self.storage_shape: the
+        values for element types, bf16's 16-bit patterns as uint16, block types' raw bytes as
+        uint8 rows; mg.dequantize turns the last two into float32).
 
         An intermediate whose memory the planner handed to a later node cannot be read after a
         compute: flag it with set_output() before computing to keep it."""
@@ -290,7 +312,7 @@ class Tensor:
         if root.overwritten_by is not None:
             raise OpError(f"tensor {self.label}: its memory was reused by {root.overwritten_by} after its "
                           f"last reader ran; call set_output() on {root.label} before computing to keep it")
-        return buf.backend.read_tensor(self).reshape(self.shape)
+        return buf.backend.read_tensor(self).reshape(self.storage_shape)
 
     def __repr__(self) -> str:
         extra = f" view of {self.view_src.label}+{self.view_offs}" if self.view_src is not None else ""

@@ -26,7 +26,7 @@ if _REASON:
     pytest.skip(_REASON, allow_module_level=True)
 
 import minigraph as mg                                # noqa: E402
-from minigraph.testing.op_cases import CASES                  # noqa: E402
+from minigraph.testing.op_cases import CASES, missing_types   # noqa: E402
 
 import minigraph.backends.cuda as cuda                          # noqa: E402
 from minigraph.testing import cuda_selftest as selftest                    # noqa: E402
@@ -44,6 +44,8 @@ def test_device_by_name():
 
 @pytest.mark.parametrize("case", CASES + selftest.EXTRA_CASES, ids=lambda c: c.id)
 def test_case_against_reference(case):
+    if missing_types(case, cuda.CudaBackend):
+        pytest.skip(missing_types(case, cuda.CudaBackend))
     for seed in selftest.SEEDS:
         err = selftest.run_case(case, seed, fresh)
         assert err is None, err

@@ -1281,7 +1281,7 @@ def test_tensor_types_by_ggml_name_or_numpy_dtype(given):
 
 
 @pytest.mark.parametrize("given, error, text", [
-    ("q4_0", ValueError, "type: unknown type name 'q4_0'; valid types are mg.f32, mg.f16, mg.i32, mg.i64"),
+    ("q5_1", ValueError, "type: unknown type name 'q5_1'; valid types are mg.f32, mg.f16, mg.i32, mg.i64, mg.bf16, mg.q8_0"),
     (np.float64, TypeError, "type: NumPy dtype float64 is not a minigraph type; valid types are mg.f32"),
     (None, TypeError, "type: NoneType None is not a minigraph type"),
     (4, TypeError, "type: int 4 is not a minigraph type"),

@@ -10,10 +10,12 @@ import numpy as np
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.registry import OPS
 from minigraph.sources import srcs_of
+from minigraph.types import ALL_TYPES
 
 
 class RefBackend(HostBackend):
     name = "ref"
+    wide_types = frozenset(t.name for t in ALL_TYPES if not t.numpy_native) | {"f16"}   # NumPy takes all
 
     def supports_op(self, node) -> bool:
         d = OPS[node.op]

@@ -5,17 +5,29 @@ import numpy as np
 
 from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..tensor import Tensor
-from ..types import DType, f16, f32, i32
+from ..quants import quantize_values
+from ..quants.simple import bf16_bits_to_f32, f32_to_bf16_bits
+from ..types import DType, bf16, f16, f32, i32, q4_0, q8_0
 from .public import public
 
-# type pairs every backend converts (ggml's CPU cpy implements these; f16<->i32 aborts there)
-CONVERSIONS = {(f32, f16), (f16, f32), (f32, i32), (i32, f32)}
+# type pairs every backend converts (ggml's CPU cpy implements these; f16<->i32 aborts there);
+# f32 -> q8_0/q4_0 quantizes whole rows of the source with the reference quantizer
+CONVERSIONS = {(f32, f16), (f16, f32), (f32, i32), (i32, f32), (f32, bf16), (bf16, f32),
+               (f32, q8_0), (f32, q4_0)}
 
 
 def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
-    """Element conversion as ggml's C does it: float->int truncates toward zero."""
+    """Element conversion as ggml's C does it: float->int truncates toward zero; bf16 (held
+    as uint16 bit patterns) rounds to nearest even. Block types take rows of whole blocks
+    (the last axis) and give their bytes."""
+    if x.dtype == np.uint16 and dtype != bf16:      # bf16 bits: only bf16 is held as uint16
+        x = bf16_bits_to_f32(x)
     if x.dtype == dtype.np_dtype:
         return x
+    if dtype == bf16:
+        return f32_to_bf16_bits(x.astype(np.float32))
+    if dtype.is_quantized:
+        return quantize_values(x.astype(np.float32), dtype.name)
     if not dtype.is_float and x.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             return np.trunc(x.astype(np.float64)).astype(dtype.np_dtype)
@@ -25,7 +37,12 @@ def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
 def _check_convert(opname, a: Tensor, t: DType):
     require(a.type == t or (a.type, t) in CONVERSIONS, opname,
             f"cannot convert {a.label} from {a.type.name} to {t.name} (supported: same type, "
-            f"f32<->f16, f32<->i32)")
+            f"f32<->f16, f32<->bf16, f32<->i32, f32->q8_0, f32->q4_0)")
+    if t.is_quantized:
+        require(a.type != t, opname, f"{a.label}: copying {t.name} blocks to {t.name} is not supported")
+        require(a.ne[0] % t.blck_size == 0 and a.is_contiguous_rows(), opname,
+                f"{a.label}: quantizing to {t.name} takes contiguous rows of whole blocks "
+                f"(ne0={a.ne[0]} must be a multiple of {t.blck_size})")
 
 
 def _ggml_cpy(g, node, src):
@@ -38,7 +55,7 @@ def _ggml_cpy(g, node, src):
 _T = "struct ggml_tensor *"
 
 
-@op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy",
+@op("CPY", srcs=("a", Src("b", optional=True, dest=True)), params={"type": DType}, split="cpy", wide_types=True,
     shape="a: [n0, n1, n2, n3], b: any shape with n0*n1*n2*n3 elements -> b's ne (a view of b); "
           "without b (a cast): [n0, n1, n2, n3] of the new type",
     ggml=GgmlCall(override=_ggml_cpy, cdef=f"{_T} ggml_cpy(struct ggml_context * ctx, {_T} a, {_T} b);\n"
@@ -49,12 +66,16 @@ def _cpy_rule(a, type, b=None):
         return Out(type, a.ne)
     require(a.nelements() == b.nelements(), "CPY",
             f"{a.label} has {a.nelements()} elements, destination {b.label} has {b.nelements()}")
+    require(not b.type.is_quantized or b.is_contiguous(), "CPY",
+            f"destination {b.label} of {b.type.name} must be contiguous")
     return Out(b.type, b.ne, b.nb, view_of=b, offs=0)
 
 
 @reference("CPY")
 def _cpy_ref(node, a, b=None):
     flat = a.reshape(-1)  # NumPy order of a 4-D [ne3,ne2,ne1,ne0] array == ggml's logical order
+    if node.type.is_quantized:     # blocks of consecutive values, in the destination's rows
+        return convert(flat.reshape(-1, node.ne[0]), node.type)
     return convert(flat, node.type).reshape(tuple(reversed(node.ne)))
 
 
@@ -72,7 +93,8 @@ def cpy(a, b):
 >>> t = mg.cast(ctx.new_tensor_2d(mg.f32, 4, 3), mg.i32)
 >>> t.ne, t.type
 ((4, 3, 1, 1), mg.i32)
-""", shape="a: [n0, n1, n2, n3] -> [n0, n1, n2, n3] of the new type (f32<->f16, f32<->i32)")
+""", shape="a: [n0, n1, n2, n3] -> [n0, n1, n2, n3] of the new type (f32<->f16, f32<->bf16, f32<->i32, "
+           "f32->q8_0, f32->q4_0)")
 def cast(a, type: DType):
     """ggml_cast: a converted to another type (float -> int truncates toward zero)."""
     return build("CPY", a=a, type=type)

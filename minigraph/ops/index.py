@@ -7,7 +7,8 @@ import numpy as np
 
 from ..errors import OpError
 from ..registry import GgmlCall, Out, Src, build, op, reference, require
-from ..types import f16, f32, i32, i64
+from ..quants import dequantize_values
+from ..types import bf16, f16, f32, i32, i64, q4_0, q4_k, q6_k, q8_0
 from .copy import convert
 from .public import public
 
@@ -20,12 +21,16 @@ def check_indices(opname: str, node, idx_name: str, idx: np.ndarray, limit: int)
                       f"is out of range [0, {limit})")
 
 
-@op("GET_ROWS", srcs=("a", "b"), split="get_rows", ggml=GgmlCall("get_rows", ("a", "b")),
-    shape="a: [n0, R, n2, n3] (f32, f16 or i32), b: [n, n2, n3] i32 row indices < R -> [n0, n, n2, n3] "
-          "(f32; i32 for i32 rows)")
+ROW_TYPES = (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, i32)   # bf16 and blocks through to_float
+
+
+@op("GET_ROWS", srcs=("a", "b"), split="get_rows", wide_types=True, ggml=GgmlCall("get_rows", ("a", "b")),
+    shape="a: [n0, R, n2, n3] (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k or i32), b: [n, n2, n3] i32 row "
+          "indices < R -> [n0, n, n2, n3] (f32; i32 for i32 rows)")
 def _get_rows_rule(a, b):
     require(b.type == i32, "GET_ROWS", f"indices {b.label} must be i32, got {b.type.name}")
-    require(a.type in (f32, f16, i32), "GET_ROWS", f"rows {a.label} must be f32, f16 or i32, got {a.type.name}")
+    require(a.type in ROW_TYPES, "GET_ROWS", f"rows {a.label} must be one of "
+                                             f"{', '.join(t.name for t in ROW_TYPES)}, got {a.type.name}")
     require(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2], "GET_ROWS",
             f"{a.label} ne={list(a.ne)} and indices {b.label} ne={list(b.ne)}: need a.ne2 == b.ne1 and a.ne3 == b.ne2")
     require(b.ne[3] == 1, "GET_ROWS", f"indices {b.label} must have ne3 == 1, got ne={list(b.ne)}")
@@ -40,7 +45,11 @@ def _get_rows_ref(node, a, b):
     check_indices("GET_ROWS", node, "b", idx, a.shape[2])
     k = np.arange(idx.shape[0])[:, None, None]
     j = np.arange(idx.shape[1])[None, :, None]
-    return convert(a[k, j, idx], node.type)      # out[k, j, i, :] = a[k, j, idx[k,j,i], :]
+    rows = a[k, j, idx]                           # out[k, j, i, :] = a[k, j, idx[k,j,i], :]
+    kind = node.srcs["a"].type
+    if kind.is_quantized or kind == bf16:          # raw rows -> ggml's to_float
+        return dequantize_values(rows.view(np.uint8), kind.name)
+    return convert(rows, node.type)
 
 
 @public("GET_ROWS", """

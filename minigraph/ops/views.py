@@ -17,10 +17,28 @@ def check_view_bounds(opname: str, a: Tensor, ne, nb, offset: int):
         return
     root = a.root()
     start = a.view_offs + offset
-    end = start + a.type.size + sum((n - 1) * b for n, b in zip(ne, nb))
+    if a.type.is_quantized:
+        check_block_view(opname, a, ne, nb, start)
+        end = start + ne[0] // a.type.blck_size * nb[0] + sum((n - 1) * b for n, b in zip(ne[1:], nb[1:]))
+    else:
+        end = start + a.type.size + sum((n - 1) * b for n, b in zip(ne, nb))
     require(end <= root.nbytes(), opname,
             f"view of {a.label} with ne={list(ne)} nb={list(nb)} at offset {offset} reaches byte "
             f"{end} of {root.label}, past its end ({root.nbytes()} bytes)")
+
+
+def check_block_view(opname: str, a: Tensor, ne, nb, start: int):
+    """A view of a block type keeps whole blocks: it starts on a block boundary, dim 0 holds
+    whole blocks packed one after another, and the other strides step whole blocks."""
+    t = a.type
+    rule = (f"view of {a.label} ({t.name}, blocks of {t.blck_size} values in {t.size} bytes) must "
+            f"start on a block boundary and keep whole blocks in dim 0")
+    require(ne[0] % t.blck_size == 0, opname, f"{rule}: ne0={ne[0]} is not a multiple of {t.blck_size}")
+    require(nb[0] == t.size, opname, f"{rule}: nb0={nb[0]} must be the block size in bytes, {t.size}")
+    require(start % t.size == 0, opname, f"{rule}: it starts at byte {start} of {a.root().label}, "
+                                         f"not a multiple of {t.size}")
+    bad = [x for x in nb[1:] if x % t.size]
+    require(not bad, opname, f"{rule}: stride {bad[0] if bad else 0} is not whole blocks of {t.size} bytes")
 
 
 def _ggml_view(g, node, src):
@@ -43,7 +61,7 @@ def _ggml_view(g, node, src):
 _T = "struct ggml_tensor *"
 
 
-@op("VIEW", srcs=("a",), params={"ne": tuple, "nb": tuple, "offset": int}, is_view=True, split="view",
+@op("VIEW", srcs=("a",), params={"ne": tuple, "nb": tuple, "offset": int}, is_view=True, split="view", wide_types=True,
     shape="a: any -> [ne0, ne1, ne2, ne3] with byte strides nb, starting offset bytes into a; "
           "every element must lie inside a's memory (windows may overlap)",
     ggml=GgmlCall(override=_ggml_view, cdef=f"{_T} ggml_view_4d(struct ggml_context * ctx, {_T} a, int64_t ne0, "
@@ -115,7 +133,7 @@ def view_tensor(a):
     return build("VIEW", a=a, ne=a.ne, nb=a.nb, offset=0)
 
 
-@op("RESHAPE", srcs=("a",), params={"ne": tuple}, is_view=True, split="reshape",
+@op("RESHAPE", srcs=("a",), params={"ne": tuple}, is_view=True, split="reshape", wide_types=True,
     shape="a: contiguous, [n0, n1, n2, n3] -> [ne0, ne1, ne2, ne3] with ne0*ne1*ne2*ne3 == n0*n1*n2*n3",
     ggml=GgmlCall("reshape_4d", ("a", "@ne")))
 def _reshape_rule(a, ne):
@@ -175,6 +193,8 @@ def reshape_4d(a, ne0, ne1, ne2, ne3):
 def _permuted(opname, a, axes):
     axes = tuple(int(x) for x in axes)
     require(sorted(axes) == [0, 1, 2, 3], opname, f"axes {list(axes)} of {a.label} must be a permutation of 0..3")
+    require(not a.type.is_quantized or axes[0] == 0, opname,
+            f"{a.label} is {a.type.name}: its values are packed in blocks along dim 0, which must stay dim 0")
     ne = [0] * 4
     nb = [0] * 4
     for i, ax in enumerate(axes):
@@ -183,14 +203,14 @@ def _permuted(opname, a, axes):
     return Out(a.type, tuple(ne), tuple(nb), view_of=a, offs=0)
 
 
-@op("PERMUTE", srcs=("a",), params={"axes": tuple}, is_view=True, split="permute",
+@op("PERMUTE", srcs=("a",), params={"axes": tuple}, is_view=True, split="permute", wide_types=True,
     shape="a: [n0, n1, n2, n3] -> result dim axes[i] gets n_i (and a's stride nb_i)",
     ggml=GgmlCall("permute", ("a", "axes")))
 def _permute_rule(a, axes):
     return _permuted("PERMUTE", a, axes)
 
 
-@op("TRANSPOSE", srcs=("a",), is_view=True, split="permute", ggml=GgmlCall("transpose", ("a",)),
+@op("TRANSPOSE", srcs=("a",), is_view=True, split="permute", wide_types=True, ggml=GgmlCall("transpose", ("a",)),
     shape="a: [n0, n1, n2, n3] -> [n1, n0, n2, n3] (strides nb0 and nb1 swapped)")
 def _transpose_rule(a):
     return _permuted("TRANSPOSE", a, (1, 0, 2, 3))

@@ -18,7 +18,7 @@ from cffi import FFI
 
 from minigraph.graph import Graph
 from minigraph.registry import OPS, GgmlCall, NotInGgml
-from minigraph.types import ALL_TYPES, f16, f32, i32
+from minigraph.types import ALL_TYPES, bf16, f16, f32, from_ggml_id, i32, q4_0, q8_0
 
 _T = "struct ggml_tensor *"
 
@@ -47,6 +47,17 @@ void ggml_cpu_init(void);
 struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph * g, int n_threads, void * threadpool);
 int ggml_graph_compute(struct ggml_cgraph * g, struct ggml_cplan * cplan);
 {_T} ggml_new_tensor(struct ggml_context * ctx, int type, int n_dims, const int64_t * ne);
+size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
+                           int64_t n_per_row, const float * imatrix);
+void ggml_quantize_init(int type);
+struct ggml_type_traits {{
+    const char * type_name; int64_t blck_size; int64_t blck_size_interleave; size_t type_size;
+    bool is_quantized; void (*to_float)(const void * x, float * y, int64_t k);
+    void (*from_float_ref)(const float * x, void * y, int64_t k);
+}};
+const struct ggml_type_traits * ggml_get_type_traits(int type);
+void quantize_row_q8_K_ref(const float * x, void * y, int64_t k);
+void dequantize_row_q8_K(const void * x, float * y, int64_t k);
 """
 
 _DEFAULT_CTYPE = {float: "float", int: "int", bool: "bool", tuple: "int"}
@@ -137,7 +148,8 @@ def _refuse(cond, node, why):
 # -- checks for what ggml would abort on (or silently misread) and minigraph accepts -----------
 # ggml's CPU dup: I32->F16 aborts "not implemented"; F16->I32 goes through the quantize path,
 # which gets no work buffer from ggml_graph_plan (crash).
-_CPU_CONVERSIONS = {(f32, f16), (f32, i32), (f16, f32), (i32, f32)}
+_CPU_CONVERSIONS = {(f32, f16), (f32, i32), (f16, f32), (i32, f32), (f32, bf16), (bf16, f32),
+                    (f32, q8_0), (f32, q4_0)}
 
 
 def _indices_in_range(node, built, idx_name, limit):
@@ -223,9 +235,14 @@ def _read(g, shape) -> np.ndarray:
     ne, nb = tuple(g.ne), tuple(g.nb)
     if 0 in ne:
         return np.zeros(shape, dtype)
-    extent = dtype.itemsize + sum((n - 1) * b for n, b in zip(ne, nb))
+    t = from_ggml_id(g.type)
+    if t.is_quantized:            # rows of raw blocks
+        full, strides = (ne[3], ne[2], ne[1], t.row_size(ne[0])), (nb[3], nb[2], nb[1], 1)
+    else:
+        full, strides = tuple(reversed(ne)), tuple(reversed(nb))
+    extent = sum((n - 1) * s for n, s in zip(full, strides)) + dtype.itemsize
     buf = ffi.buffer(ffi.cast("char *", g.data), extent)
-    arr = np.ndarray(tuple(reversed(ne)), dtype, buffer=buf, strides=tuple(reversed(nb)))
+    arr = np.ndarray(full, dtype, buffer=buf, strides=strides)
     return arr.copy().reshape(shape)
 
 
@@ -257,8 +274,9 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
         for leaf in gf.leafs:
             t = g[leaf] = lib.ggml_new_tensor(ctx, leaf.type.ggml_id, 4, leaf.ne)
             data = np.ascontiguousarray(built.data[leaf], dtype=leaf.type.np_dtype)
-            if data.size != leaf.nelements():
-                raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {leaf.nelements()} elements")
+            want = leaf.nbytes() if leaf.type.is_quantized else leaf.nelements()   # raw bytes for block types
+            if data.size != want:
+                raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {want}")
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
         builder = GgmlBuilder(ctx)
         for node in gf.nodes:
@@ -275,6 +293,40 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
         status = lib.ggml_graph_compute(cgraph, plan)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute returned status {status}")
-        return [_read(g[o], o.shape) for o in built.outs]
+        return [_read(g[o], o.storage_shape) for o in built.outs]
     finally:
         lib.ggml_free(ctx)
+
+
+# -- codecs: ggml's own quantize and to_float, the reference for minigraph.quants ---------------
+def ggml_quantize(x: np.ndarray, type) -> np.ndarray:
+    """Rows of float32 values -> ggml's bytes for ``type`` (a minigraph DType), shape
+    (rows, row bytes): ggml_quantize_chunk without an importance matrix, or the type's
+    reference row quantizer where quantize_chunk does not take the type (q8_k)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x.reshape(-1, x.shape[-1]).shape
+    traits = lib.ggml_get_type_traits(type.ggml_id)
+    if traits.type_size != type.size or traits.blck_size != type.blck_size:
+        raise ValueError(f"{type.name}: ggml has {traits.blck_size} values in {traits.type_size} bytes, "
+                         f"minigraph {type.blck_size} in {type.size}")
+    out = np.zeros((rows, type.size * n // type.blck_size), np.uint8)
+    src = ffi.cast("const float *", ffi.from_buffer(x))
+    dst = ffi.cast("void *", ffi.from_buffer(out))
+    if type.name == "q8_k":
+        lib.quantize_row_q8_K_ref(src, dst, rows * n)
+    else:
+        lib.ggml_quantize_init(type.ggml_id)
+        lib.ggml_quantize_chunk(type.ggml_id, src, dst, 0, rows, n, ffi.NULL)
+    return out
+
+
+def ggml_dequantize(raw: np.ndarray, type) -> np.ndarray:
+    """Rows of ggml's bytes for ``type`` -> float32 values through the type's to_float."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.reshape(-1, raw.shape[-1]).shape[0]
+    n = raw.shape[-1] // type.size * type.blck_size
+    out = np.zeros((rows, n), np.float32)
+    # q8_k has no to_float in the type traits; its row function is exported
+    fn = lib.dequantize_row_q8_K if type.name == "q8_k" else lib.ggml_get_type_traits(type.ggml_id).to_float
+    fn(ffi.cast("const void *", ffi.from_buffer(raw)), ffi.cast("float *", ffi.from_buffer(out)), rows * n)
+    return out

@@ -26,7 +26,7 @@ class Built:
 
     def leaf(self, type: DType, ne, data=None, rng=None) -> Tensor:
         t = self.ctx.new_tensor(type, ne)
-        self.data[t] = random_data(rng, type, t.ne) if data is None else np.asarray(data, type.np_dtype).reshape(tuple(reversed(t.ne)))
+        self.data[t] = random_data(rng, type, t.ne) if data is None else np.asarray(data, type.np_dtype).reshape(_held_shape(t))
         return t
 
     def input(self, rng, type: DType, ne, layout: str = "contig") -> Tensor:
@@ -54,8 +54,20 @@ class Built:
         return t
 
 
+def _held_shape(t: Tensor) -> tuple:
+    """The 4-D NumPy shape of a leaf's data: values, bf16 bits, or rows of raw blocks."""
+    if t.type.is_quantized:
+        return (t.ne[3], t.ne[2], t.ne[1], t.row_size())
+    return tuple(reversed(t.ne))
+
+
 def random_data(rng, type: DType, ne) -> np.ndarray:
     shape = tuple(reversed(ne))
+    if not type.numpy_native:          # bf16 bits or raw blocks of never-zero values
+        x = rng.uniform(-1.0, 1.0, shape)
+        x = np.where(np.abs(x) < 1e-3, 0.5, x).astype(np.float32)
+        raw = mg.quantize(x, type)
+        return raw.view(type.np_dtype).reshape(shape) if not type.is_quantized else raw
     if type.is_float:
         x = rng.uniform(-1.0, 1.0, shape)
         x = np.where(np.abs(x) < 1e-3, 0.5, x)     # never zero
@@ -72,6 +84,7 @@ class Case:
     nmse: float = 1e-7         # float tolerance against the reference
     ggml: bool = True          # real ggml can run it (see note where False)
     note: str = ""
+    types: tuple = ()          # bf16 / block types (by name) its compute nodes read
 
     @property
     def id(self):
@@ -81,11 +94,21 @@ class Case:
 CASES: list[Case] = []
 
 
-def case(op: str, name: str, exact=False, nmse=1e-7, ggml=True, note=""):
+def case(op: str, name: str, exact=False, nmse=1e-7, ggml=True, note="", types=()):
     def deco(fn):
-        CASES.append(Case(op, name, fn, exact, nmse, ggml, note))
+        CASES.append(Case(op, name, fn, exact, nmse, ggml, note, tuple(types)))
         return fn
     return deco
+
+
+def missing_types(case: Case, backend) -> str | None:
+    """Why ``backend`` does not run ``case`` (a bf16 or block type it declares no kernels for,
+    see Backend.wide_types), or None: tests skip such a case with this reason."""
+    lacking = [t for t in case.types if t not in getattr(backend, "wide_types", ())]
+    if not lacking:
+        return None
+    name = backend.__name__ if isinstance(backend, type) else backend.name
+    return f"{case.id}: backend {name} has no kernels for {', '.join(lacking)} (Backend.wide_types)"
 
 
 def rshape(rng, lo=1, hi=6, dims=4):
@@ -659,6 +682,9 @@ def run_built(b: Built, backend, graph_hook=None) -> list[np.ndarray]:
         graph_hook(gf)
     backend.graph_compute(gf)
     return [o.numpy() for o in b.outs]
+
+
+from minigraph.testing import quant_cases as _quant_cases  # noqa: E402,F401  (adds the typed cases)
 
 
 def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
