@@ -44,11 +44,12 @@ _HALF_AND_BLOCK = frozenset({f16, bf16, q8_0, q4_0, q4_k, q6_k})
 TYPE_SUPPORT: dict[str, dict[str, frozenset]] = {
     "GET_ROWS": {"a": _HALF_AND_BLOCK},
     "MUL_MAT": {"a": _HALF_AND_BLOCK},   # src1 f32, converted to the vec_dot_type first (quant_matmul.c)
-    "CPY": {"a": frozenset({bf16}), "b": frozenset({bf16})},   # bf16 <-> f32 (and bf16 -> bf16)
+    # bf16 <-> f32; f32 -> q8_0 / q4_0 (ggml's x86 quantizers: quant_codec.c)
+    "CPY": {"a": frozenset({bf16}), "b": frozenset({bf16, q8_0, q4_0})},
     "CONT": {"a": frozenset({bf16})},
 }
 _PLAIN = frozenset({f32, f16, i32, i64})
-_BF16_RESULT = frozenset({"CPY", "CONT"})
+_WIDE_RESULT = {"CPY": frozenset({bf16, q8_0, q4_0}), "CONT": frozenset({bf16})}
 _SLOTS = 8   # mg_node's fp[] and ip[] (mg_api.h)
 
 
@@ -63,7 +64,7 @@ def _registered_kernels() -> dict:
     for code in range(n):
         name = ffi.string(lib.mg_op_name(code)).decode()
         if ":" in name and name.split(":")[0] in OPS:
-            codes[name] = code   # an internal step of an op ("MUL_MAT:src1_to_dot_type"), not an op
+            STEP_CODES[name] = code   # an internal step of an op ("MUL_MAT:src1_to_dot_type"), not an op
             continue
         if name not in OPS:
             raise ImportError(f"a C kernel is registered for {name!r}, which is not a registered op "
@@ -74,12 +75,13 @@ def _registered_kernels() -> dict:
     return codes
 
 
+STEP_CODES: dict = {}               # "OP:step" -> code: records a kernel adds for an op's internal steps
 OP_CODES = _registered_kernels()   # op name -> the code a node record carries
 
 
 def implemented_ops() -> set:
     """The compute ops this backend runs (for the coverage test)."""
-    return {name for name in OP_CODES if ":" not in name}
+    return set(OP_CODES)
 
 
 def _params(node, rec):
@@ -123,6 +125,8 @@ _oversubscribed_warned = False
 
 
 class CpuBackend(HostBackend):
+    # the bf16 / block types (and f16 weights) some kernels take; TYPE_SUPPORT says which and where
+    wide_types = frozenset({"f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"})
     # Default: every core. The executor stays graceful when a core is busy elsewhere (a worker
     # that is descheduled takes no chunk and nobody waits for it), so the default does not lose
     # to one thread on a shared machine (bench/ops.py's contention rows measure it).
@@ -179,11 +183,11 @@ class CpuBackend(HostBackend):
             a, b = srcs_of(node)["a"], srcs_of(node)["b"]
             if b.type != f32 and (a.type == f32 or b.type != a.type.vec_dot_type):
                 return False
-        return node.type in _PLAIN or (node.type == bf16 and node.op in _BF16_RESULT)
+        return node.type in _PLAIN or node.type in _WIDE_RESULT.get(node.op, ())
 
     @staticmethod
     def op_code(name: str) -> int:
-        return OP_CODES[name]
+        return OP_CODES[name] if name in OP_CODES else STEP_CODES[name]
 
     # -- plans ------------------------------------------------------------------------------
     def _address(self, buf) -> int:

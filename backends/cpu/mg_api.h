@@ -54,5 +54,6 @@ void mg_pool_stats(int64_t out[5]);
 /* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
 void mg_debug_worker_delay(int64_t ns);
 int mg_max_threads(void);   /* the CPUs this process may run on */
+int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

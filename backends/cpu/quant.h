@@ -64,8 +64,8 @@ static inline int mg_vec_dot_type(int t) {
 /* quant_codec.c */
 /* n values of a row of type t (n a multiple of its block size) to f32 */
 void mg_to_f32_row(int t, const void *src, float *dst, int64_t n);
-/* n f32 values (src stride snb bytes) to a row of the dot type t (f16, bf16, q8_0, q8_K), exactly
- * as ggml's CPU mul_mat converts its f32 operand on x86 */
+/* n f32 values (src stride snb bytes) to a row of type t (f16, bf16, q8_0, q8_K, q4_0), exactly
+ * as ggml's x86 CPU backend converts f32 there (mul_mat's operand, cpy) */
 void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n);
 
 /* quant_matmul.c: MUL_MAT with src0 f16 / bf16 / q4_0 / q8_0 / q4_K / q6_K and src1 already

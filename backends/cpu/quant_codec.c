@@ -148,6 +148,24 @@ static void f32_to_q8_0_block(const float *x, mg_block_q8_0 *y) {
 #endif
 }
 
+/* one q4_0 block as ggml's quantizer writes it (the reference code, which is also what its CPU
+ * cpy to q4_0 runs): d = (the value of largest magnitude, the first such) / -8, levels
+ * trunc(x / d + 8.5) capped at 15 */
+static void f32_to_q4_0_block(const float *x, mg_block_q4_0 *y) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < MG_QK4_0; j++) {
+        if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
+    }
+    const float d = max / -8;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y->d = mg_fp32_to_fp16(d);
+    for (int j = 0; j < MG_QK4_0 / 2; j++) {
+        const int8_t a = (int8_t)(x[j] * id + 8.5f), b = (int8_t)(x[j + MG_QK4_0 / 2] * id + 8.5f);
+        const uint8_t lo = (uint8_t)(a < 15 ? a : 15), hi = (uint8_t)(b < 15 ? b : 15);
+        y->qs[j] = (uint8_t)(lo | (hi << 4));
+    }
+}
+
 /* one q8_K block: the scale is -127 over the value of largest magnitude (the first such), so that
  * value becomes -127 exactly; values round half to even and are capped at 127 */
 static void f32_to_q8_K_block(const float *x, mg_block_q8_K *y) {
@@ -206,6 +224,18 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
                     x = tmp;
                 }
                 f32_to_q8_0_block(x, &y[b]);
+            }
+            return;
+        }
+        case MG_Q4_0: {
+            mg_block_q4_0 *y = dst;
+            for (int64_t b = 0; b < n / MG_QK4_0; b++) {
+                const float *x = (const float *)(src + b * MG_QK4_0 * snb);
+                if (!dense) {
+                    for (int j = 0; j < MG_QK4_0; j++) tmp[j] = mg_load_f32(src + (b * MG_QK4_0 + j) * snb);
+                    x = tmp;
+                }
+                f32_to_q4_0_block(x, &y[b]);
             }
             return;
         }

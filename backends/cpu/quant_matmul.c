@@ -444,6 +444,14 @@ static void mg_k_src1_to_dot_type(const mg_node *n, int ith, int nth) {
     }
 }
 
+int mg_quant_simd(void) {
+#if MG_QAVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* an internal step of MUL_MAT, not a registry op: the name says whose ("OP:step") */
 __attribute__((constructor)) static void mg_register_src1_to_dot_type(void) {
     mg_register_kernel("MUL_MAT:src1_to_dot_type", mg_k_src1_to_dot_type, NULL);
