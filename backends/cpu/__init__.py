@@ -217,12 +217,15 @@ class CpuBackend(HostBackend):
 
     @staticmethod
     def _work_layout(node):
-        """(type, ne, nb) of the converted src1 of a MUL_MAT node: contiguous, the vec_dot_type."""
+        """(type code, ne, nb) of the converted src1 of a MUL_MAT node: contiguous rows in the
+        layout the C kernels chose for the weights' type (quant.h: ggml's vec_dot_type blocks,
+        or for q4_0 the same q8_0 values laid out for its dot product)."""
         a, b = srcs_of(node)["a"], srcs_of(node)["b"]
-        t = a.type.vec_dot_type
-        nb0 = t.size
-        nb1 = t.row_size(b.ne[0])
-        return t, b.ne, (nb0, nb1, nb1 * b.ne[1], nb1 * b.ne[1] * b.ne[2])
+        code = lib.mg_work_type(_TYPE_CODES[a.type])
+        row = int(lib.mg_work_row_bytes(_TYPE_CODES[a.type], b.ne[0]))
+        blck = a.type.vec_dot_type.blck_size
+        return code, b.ne, (row // max(1, b.ne[0] // blck) if b.ne[0] else row, row, row * b.ne[1],
+                            row * b.ne[1] * b.ne[2])
 
     def build_plan(self, nodes) -> CpuPlan:
         """Translate ``nodes`` into C node records (once per node list and memory binding).
@@ -258,7 +261,7 @@ class CpuBackend(HostBackend):
                 rec.dst.data = ffi.cast("char *", work_addr)
                 rec.dst.ne = list(ne)
                 rec.dst.nb = list(nb)
-                rec.dst.type = _TYPE_CODES[t]
+                rec.dst.type = t
                 i += 1
             rec = records[i]
             i += 1

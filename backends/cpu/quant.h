@@ -50,16 +50,14 @@ static inline float mg_bf16_to_fp32(uint16_t h) {
     return f;
 }
 
-/* the type the f32 operand of MUL_MAT is converted to for weights of type t (-1: none) */
-static inline int mg_vec_dot_type(int t) {
-    switch (t) {
-        case MG_F16: return MG_F16;
-        case MG_BF16: return MG_BF16;
-        case MG_Q4_0: case MG_Q8_0: return MG_Q8_0;
-        case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
-        default: return -1;
-    }
-}
+/* MG_Q8_0X: a row of q8_0 blocks (the same values and scales ggml's q8_0 conversion gives) laid
+ * out for the q4_0 dot product, structure of arrays over the row's nb blocks:
+ *   int8 qs[nb][32], int16 s8[nb][16] (8 * the sum of each pair of values), float d[nb] (the
+ *   f16 scale, widened).
+ * maddubs takes the q4_0 nibbles unsigned; subtracting s8 gives the same int16 pair sums as
+ * multiplying by nibble - 8, without the two sign operations per block, and d needs no f16
+ * conversion per weight row. */
+#define MG_Q8_0X_BLOCK (32 + 32 + 4)
 
 /* quant_codec.c */
 /* n values of a row of type t (n a multiple of its block size) to f32 */

@@ -239,6 +239,20 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
             }
             return;
         }
+        case MG_Q8_0X: {
+            const int64_t nb = n / MG_QK8_0;
+            int8_t *qs = dst;
+            int16_t *s8 = (int16_t *)(qs + 32 * nb);
+            char *dd = (char *)(s8 + 16 * nb);
+            for (int64_t b = 0; b < nb; b++) {
+                mg_block_q8_0 blk;
+                mg_from_f32_row(MG_Q8_0, src + b * MG_QK8_0 * snb, snb, &blk, MG_QK8_0);
+                memcpy(qs + 32 * b, blk.qs, 32);
+                for (int j = 0; j < 16; j++) s8[16 * b + j] = (int16_t)(8 * (blk.qs[2 * j] + blk.qs[2 * j + 1]));
+                mg_store_f32(dd + 4 * b, mg_fp16_to_fp32(blk.d));
+            }
+            return;
+        }
         case MG_Q8_K: {
             mg_block_q8_K *y = dst;
             for (int64_t b = 0; b < n / MG_QK_K; b++) {

@@ -90,24 +90,30 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
 #endif
 }
 
-/* ---- q4_0 weights x q8_0 rows ---- */
+/* ---- q4_0 weights x q8_0 rows (MG_Q8_0X layout, quant.h) ---- */
 static inline __attribute__((always_inline)) void dot_q4_0(int64_t nb, const char *const *xr, const int R,
-                                                           const mg_block_q8_0 *y, float *out) {
+                                                           const void *yrow, float *out) {
+    const int8_t *yq = yrow;
+    const int16_t *ys8 = (const int16_t *)(yq + 32 * nb);
+    const char *yd = (const char *)(ys8 + 16 * nb);
 #if MG_QAVX2
     __m256 acc[RMAX];
-    const __m256i lo4 = _mm256_set1_epi8(0xf), eight = _mm256_set1_epi8(8);
+    const __m256i lo4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[b].qs);
-        const float dy = mg_fp16_to_fp32(y[b].d);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)(yq + 32 * b));
+        const __m256i s8 = _mm256_loadu_si256((const __m256i *)(ys8 + 16 * b));
+        const float dy = mg_load_f32(yd + 4 * b);
         for (int r = 0; r < R; r++) {
             const mg_block_q4_0 *x = (const mg_block_q4_0 *)xr[r] + b;
             PREFETCH(x);
             const __m128i raw = _mm_loadu_si128((const __m128i *)x->qs);
             /* low nibbles are values 0..15, high nibbles 16..31 */
             const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lo4);
+            /* pairs of nibble * y minus 8 * (pair of y): pairs of (nibble - 8) * y, as ggml's */
+            const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(nib, qy), s8);
             const __m256 d = _mm256_set1_ps(mg_fp16_to_fp32(x->d) * dy);
-            acc[r] = _mm256_fmadd_ps(d, dot_i8_lanes(_mm256_sub_epi8(nib, eight), qy), acc[r]);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]);
@@ -116,12 +122,13 @@ static inline __attribute__((always_inline)) void dot_q4_0(int64_t nb, const cha
         const mg_block_q4_0 *x = (const mg_block_q4_0 *)xr[r];
         float s = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
+            const int8_t *y = yq + 32 * b;
             int isum = 0;
             for (int j = 0; j < MG_QK4_0 / 2; j++) {
-                isum += ((x[b].qs[j] & 0xf) - 8) * y[b].qs[j];
-                isum += ((x[b].qs[j] >> 4) - 8) * y[b].qs[j + MG_QK4_0 / 2];
+                isum += ((x[b].qs[j] & 0xf) - 8) * y[j];
+                isum += ((x[b].qs[j] >> 4) - 8) * y[j + MG_QK4_0 / 2];
             }
-            s += (float)isum * (mg_fp16_to_fp32(x[b].d) * mg_fp16_to_fp32(y[b].d));
+            s += (float)isum * (mg_fp16_to_fp32(x[b].d) * mg_load_f32(yd + 4 * b));
         }
         out[r] = s;
     }
@@ -442,6 +449,22 @@ static void mg_k_src1_to_dot_type(const mg_node *n, int ith, int nth) {
         mg_row_coords(s, r, &i1, &i2, &i3);
         mg_from_f32_row(d->type, mg_ptr(s, 0, i1, i2, i3), s->nb[0], mg_ptr(d, 0, i1, i2, i3), s->ne[0]);
     }
+}
+
+int mg_work_type(int t) {
+    switch (t) {
+        case MG_F16: return MG_F16;
+        case MG_BF16: return MG_BF16;
+        case MG_Q8_0: return MG_Q8_0;
+        case MG_Q4_0: return MG_Q8_0X;
+        case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
+        default: return -1;
+    }
+}
+
+int64_t mg_work_row_bytes(int t, int64_t k) {
+    const int w = mg_work_type(t);
+    return w < 0 ? 0 : mg_row_bytes(w, k);
 }
 
 int mg_quant_simd(void) {
