@@ -210,3 +210,18 @@ def test_type_table_covers_the_typed_ops_and_refusals_name_op_and_type():
         mg.mul_mat(ctx.new_tensor_2d(q4_k, 256, 4), ctx.new_tensor_2d(f16, 256, 2))
     with pytest.raises(OpError, match="SSM_CONV"):
         mg.ssm_conv(ctx.new_tensor_3d(q4_0, 32, 8, 1), ctx.new_tensor_2d(f32, 4, 8))
+
+
+def test_cpu_runs_every_typed_case():
+    """No typed op case is skipped on cpu: a type or op added to the cases without a cpu kernel
+    fails here instead of skipping quietly."""
+    from minigraph.testing.op_cases import missing_types
+    be = _be(1)
+    for case in _typed_cases():
+        assert missing_types(case, be) is None, missing_types(case, be)
+        built = case.make(np.random.default_rng(0))
+        g = mg.Graph()
+        for o in built.outs:
+            g.build_forward_expand(o)
+        for node in g.nodes:
+            assert be.supports_op(node), f"{case.id}: {node.op} {node.label} not supported by cpu"
