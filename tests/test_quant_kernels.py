@@ -1,9 +1,10 @@
-"""The cpu backend's half-precision and block-type kernels (backends/cpu/quant_*.c) against real
-ggml (libggml-python 0.20.2, its AVX2 CPU build): get_rows and cpy byte for byte, mul_mat within
-NMSE 1e-10 (the block types come out bit for bit on AVX2 builds: same integer sums, same float
-lanes), over random shapes, weight row views, strided and permuted src1 views and src1 column
-counts from 1 up; results that do not depend on the batch or the thread count; the conversion of
-src1 that ggml's x86 mul_mat does (not the file quantizer); the backend's type table."""
+"""The half-precision and block-type kernels against real ggml (libggml-python 0.20.2, its AVX2
+CPU build): the cpu backend's (backends/cpu/quant_*.c) and the CUDA backend's (backends/cuda/
+quant.cu, run on the CPU emulator): get_rows and cpy byte for byte, mul_mat within NMSE 1e-10
+(cpu's block types bit for bit on AVX2 builds: same integer sums, same float lanes), over random
+shapes, weight row views, strided and permuted src1 views and src1 column counts from 1 up;
+results that do not depend on the batch or the thread count; the conversion of src1 that ggml's
+x86 mul_mat does (not the file quantizer); the backend's type table."""
 from __future__ import annotations
 
 import importlib.util
@@ -32,6 +33,20 @@ BLOCKS = (q8_0, q4_0, q4_k, q6_k)
 
 def _be(n_threads, idx=40):
     return cpu.CpuBackend(idx + n_threads).set_n_threads(n_threads)
+
+
+_EMU = []
+
+
+def _cuda_emu():
+    """A CUDA backend on the CPU emulator (one per test process: it compiles the kernels once)."""
+    from minigraph.backends.cuda import CudaBackend
+    from minigraph.backends.cuda.emu import EmuDevice, compiler
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulator")
+    if not _EMU:
+        _EMU.append(EmuDevice())
+    return CudaBackend(0, device=_EMU[0])
 
 
 def _typed_cases():
@@ -72,9 +87,9 @@ def _mul_mat_built(rng, t, K, M, N, src1_layout="contig", batch=(1, 1), bcast=(1
     return b
 
 
-def _ggml_mul_mat_check(rng_seed, t, K, M, N, layout, batch=(1, 1), bcast=(1, 1), n_threads=1):
+def _ggml_mul_mat_check(rng_seed, t, K, M, N, layout, batch=(1, 1), bcast=(1, 1), n_threads=1, be=None):
     built = _mul_mat_built(np.random.default_rng(rng_seed), t, K, M, N, layout, batch, bcast)
-    got = run_built(built, _be(n_threads))[0]
+    got = run_built(built, be if be is not None else _be(n_threads))[0]
     want = run_in_ggml(_mul_mat_built(np.random.default_rng(rng_seed), t, K, M, N, layout, batch, bcast))[0]
     return got, want
 
@@ -95,6 +110,20 @@ def test_mul_mat_matches_ggml_random_shapes(t, layout):
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("layout", ["contig", "padded", "permuted"])
+def test_cuda_emulated_mul_mat_matches_ggml(t, layout):
+    rng = np.random.default_rng(hash((t.name, layout, "cuda")) % 2**32)
+    for trial in range(2):
+        K = t.blck_size * int(rng.integers(1, 3)) if t.is_quantized else int(rng.integers(1, 100))
+        M, N = int(rng.integers(1, 12)), int(rng.choice([1, 2, 5]))
+        batch, bcast = (int(rng.integers(1, 3)), 1), (int(rng.integers(1, 3)), 1)
+        got, want = _ggml_mul_mat_check(50 * trial + 3, t, K, M, N, layout, batch, bcast, be=_cuda_emu())
+        err = nmse(got, want)
+        assert err <= 1e-10, f"cuda-emu {t.name} {layout} K={K} M={M} N={N}: NMSE {err:.3g} against ggml"
+
+
+@pytest.mark.oracle
 @pytest.mark.parametrize("t", BLOCKS, ids=lambda t: t.name)
 def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
     """Same integer sums, same scale products, same 8 float lanes and horizontal sum as ggml's
@@ -108,7 +137,8 @@ def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("t", (q8_0, q4_0))
-def test_src1_is_converted_the_way_ggml_mul_mat_does(t):
+@pytest.mark.parametrize("backend", ["cpu", "cuda-emu"])
+def test_src1_is_converted_the_way_ggml_mul_mat_does(t, backend):
     """ggml's x86 mul_mat quantizes src1 to q8_0 by 127/amax with ties to even, not with the
     file quantizer (1/(amax/127), ties away from zero). Values placed on a tie tell them apart."""
     b = Built(Context())
@@ -121,9 +151,12 @@ def test_src1_is_converted_the_way_ggml_mul_mat_does(t):
     row[32] = 127.0
     x = b.leaf(f32, (K, 1), data=row.reshape(1, K))
     b.out(mg.mul_mat(w, x))
-    got = run_built(b, _be(1))[0]
+    got = run_built(b, _be(1) if backend == "cpu" else _cuda_emu())[0]
     want = run_in_ggml(b)[0]
-    assert np.array_equal(got, want), (got, want)
+    if backend == "cpu":
+        assert np.array_equal(got, want), (got, want)
+    else:   # the same integer sums, summed in another order: f32 rounding apart
+        assert nmse(got, want) <= 1e-12, (got, want)
 
 
 @pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
@@ -164,7 +197,8 @@ def test_mul_mat_is_batch_invariant(t, n_threads):
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
-def test_get_rows_matches_ggml_bit_for_bit(t):
+@pytest.mark.parametrize("backend", ["cpu", "cuda-emu"])
+def test_get_rows_matches_ggml_bit_for_bit(t, backend):
     rng = np.random.default_rng(2)
     for trial in range(3):
         b = Built(Context())
@@ -173,14 +207,15 @@ def test_get_rows_matches_ggml_bit_for_bit(t):
         a = b.leaf(t, (K, R), rng=rng)
         ids = b.leaf(i32, (n,), data=rng.integers(0, R, n))
         b.out(mg.get_rows(a, ids))
-        got = run_built(b, _be(2))[0]
+        got = run_built(b, _be(2) if backend == "cpu" else _cuda_emu())[0]
         want = run_in_ggml(b)[0]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{t.name} K={K}"
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("t", (bf16, q8_0, q4_0), ids=lambda t: t.name)
-def test_cpy_from_f32_matches_ggml_bytes(t):
+@pytest.mark.parametrize("backend", ["cpu", "cuda-emu"])
+def test_cpy_from_f32_matches_ggml_bytes(t, backend):
     rng = np.random.default_rng(4)
     for trial in range(3):
         b = Built(Context())
@@ -189,7 +224,7 @@ def test_cpy_from_f32_matches_ggml_bytes(t):
         x = b.input(rng, f32, shape, "strided" if trial % 2 else "contig")
         dst = b.leaf(t, shape, rng=rng)
         b.out(mg.cpy(x, dst))
-        got = run_built(b, _be(2))[0]
+        got = run_built(b, _be(2) if backend == "cpu" else _cuda_emu())[0]
         want = run_in_ggml(b)[0]
         assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), f"{t.name} {shape}"
 
