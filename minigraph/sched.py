@@ -259,7 +259,10 @@ class Scheduler:
                         self._set(n, b, "2.sup")
                         break
             if self.assign.get(n.id, -1) < 0:
-                raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it")
+                why = "; ".join(f"backend {b.name} has no kernel for {m} sources" for b in self.backends
+                                if b.supports_op(n) and (m := b.missing_type(n)) is not None)
+                raise OpError(f"{n.op} {n.label}: no backend of {[b.name for b in self.backends]} supports it"
+                              + (f" ({why})" if why else ""))
 
     def _pass5(self, sg: ScheduledGraph):
         nodes = sg.gf.nodes

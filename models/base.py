@@ -13,9 +13,27 @@ make_weights(seed), and defines layer_weights(mk, il) (its weight list), build_l
 and n_embd_r / n_embd_s (its memory sizes)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 import minigraph as mg
+
+# set by loading_weights() while a GGUF loader builds a model: {GGUF name: type in the file}
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("minigraph_loading_weights", default=None)
+
+
+@contextlib.contextmanager
+def loading_weights(types: dict):
+    """While a model is constructed inside this block its WeightMakers make each weight with the
+    type given here by GGUF name (f32 when absent) and draw and write no values: the loader
+    fills (or maps) them from the file."""
+    token = _LOADING.set(dict(types))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
 
 
 def layer_device_list(devices, n_layer: int, arch: str) -> list:
@@ -40,9 +58,13 @@ class WeightMaker:
         self.mark_weights = mark_weights
         self.ctx = mg.Context()
         self.values = []                 # (tensor, values in NumPy order) until place()
+        self.loading = _LOADING.get()    # {name: type} while a loader builds the model, else None
 
     def normal(self, ne, scale: float, mean: float = 0.0) -> np.ndarray:
-        """mean + scale * N(0, 1) in NumPy order, float64 (a model may adjust it, then fixed())."""
+        """mean + scale * N(0, 1) in NumPy order, float64 (a model may adjust it, then fixed());
+        zeros while loading (the file's values replace them, drawing them would only cost time)."""
+        if self.loading is not None:
+            return np.zeros(tuple(reversed(ne)))
         return mean + scale * self.rng.standard_normal(tuple(reversed(ne)))
 
     def __call__(self, name: str, ne, scale: float, mean: float = 0.0) -> mg.Tensor:
@@ -50,11 +72,14 @@ class WeightMaker:
         return self.fixed(name, ne, self.normal(ne, scale, mean))
 
     def fixed(self, name: str, ne, arr) -> mg.Tensor:
-        """A weight with the given values (NumPy order, rounded to f32)."""
-        t = self.ctx.new_tensor(mg.f32, tuple(ne)).set_name(name)
+        """A weight with the given values (NumPy order, rounded to f32); while loading, a weight
+        of the file's type and no values."""
+        type = mg.f32 if self.loading is None else self.loading.get(name, mg.f32)
+        t = self.ctx.new_tensor(type, tuple(ne)).set_name(name)
         if self.mark_weights:
             t.set_weight()
-        self.values.append((t, np.asarray(arr, np.float32).reshape(tuple(reversed(t.ne)))))
+        if self.loading is None:
+            self.values.append((t, np.asarray(arr, np.float32).reshape(tuple(reversed(t.ne)))))
         self.named[name] = t
         return t
 

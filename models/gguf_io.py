@@ -34,6 +34,10 @@ from pathlib import Path
 import numpy as np
 
 import minigraph as mg
+from minigraph.backend import Buffer, HostBackend
+from minigraph.models import gguf_types
+from minigraph.models.base import loading_weights
+from minigraph.types import from_ggml_id
 
 ARCH_CLASSES = {
     "lfm2": ("minigraph.models.lfm", "LFM2Model"),
@@ -57,11 +61,65 @@ def _gguf():
     return gguf
 
 
+def _check_tensor_infos(path, reader, start_offs: int, fields) -> None:
+    """Each tensor's type, row length, offset and extent, before gguf-py slices the data: one
+    GGUFError naming the tensor for an unknown type, rows that are not whole blocks, an offset
+    off the file's alignment (so off its blocks), data that overlaps the next tensor (its size
+    does not match its type and shape) or runs past the end of the file (truncated)."""
+    gguf = _gguf()
+    infos = []
+    for field in fields:
+        _, name_data, _, dims, raw_dtype, offset = field.parts
+        name = str(bytes(name_data), encoding="utf-8", errors="replace")
+        try:
+            qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name}: unknown ggml type id {int(raw_dtype[0])}") from None
+        blck, size = gguf.GGML_QUANT_SIZES[qtype]
+        ne = [int(x) for x in dims]
+        if ne and ne[0] % blck:
+            raise GGUFError(f"{path}: tensor {name}: {qtype.name} rows of ne0={ne[0]} are not whole blocks of {blck}")
+        nbytes = int(np.prod(ne)) * size // blck
+        offs = int(offset[0])
+        if offs % reader.alignment:
+            raise GGUFError(f"{path}: tensor {name}: data offset {offs} is not a multiple of the file's alignment "
+                            f"{reader.alignment} (its {qtype.name} blocks would be misaligned)")
+        infos.append((offs, nbytes, name, qtype.name, ne))
+    infos.sort()
+    for (offs, nbytes, name, tname, ne), nxt in zip(infos, infos[1:] + [None]):
+        end = start_offs + offs + nbytes
+        if end > len(reader.data):
+            raise GGUFError(f"{path}: tensor {name}: its {nbytes} bytes ({tname}, ne={ne}) run past the end of the "
+                            f"file ({len(reader.data)} bytes): the data section is truncated")
+        if nxt is not None and offs + nbytes > nxt[0]:
+            raise GGUFError(f"{path}: tensor {name}: {tname} ne={ne} takes {nbytes} bytes, but tensor {nxt[2]} starts "
+                            f"{nxt[0] - offs} bytes after it: its size does not match its type and shape")
+
+
+def _reader_class():
+    gguf = _gguf()
+
+    class CheckedReader(gguf.GGUFReader):
+        """gguf-py's reader, copy-on-write mapped, with the tensor checks above first."""
+
+        def _build_tensors(self, start_offs, fields):
+            _check_tensor_infos(self._path, self, start_offs, fields)
+            return super()._build_tensors(start_offs, fields)
+
+        def __init__(self, path):
+            self._path = path
+            super().__init__(path, "c")     # private pages: weights mapped from it stay writable
+    return CheckedReader
+
+
 def _open(path):
-    """The file's GGUFReader; a file that is not GGUF (bad magic, truncated) is a GGUFError naming it."""
+    """The file's reader; a file that is not GGUF (bad magic, truncated) is a GGUFError naming it,
+    a bad tensor one naming the tensor."""
     try:
-        return _gguf().GGUFReader(str(path))
+        return _reader_class()(str(path))
     except (ValueError, IndexError, struct_error) as e:
+        if isinstance(e, GGUFError):
+            raise
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
@@ -360,44 +418,77 @@ def _add_kv(writer, gguf, key: str, val):
         raise GGUFError(f"metadata {key}: cannot write a {type(val).__name__}")
 
 
-def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = False) -> Path:
-    """Write the model's hyperparameters (llama.cpp keys) and f32 weights (llama.cpp names).
+def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = False, ftype=None) -> Path:
+    """Write the model's hyperparameters (llama.cpp keys) and weights (llama.cpp names).
 
     embed_hparams: also write the hparams dict as JSON under `minigraph.hparams` (default);
     without it the file holds only what llama.cpp reads. tie_output: leave `output.weight` out
-    (llama.cpp then uses the embedding; only valid when the two are equal)."""
+    (llama.cpp then uses the embedding; only valid when the two are equal). ftype: None writes
+    each weight in its own type (f32, or what a loaded file held); "f32", "f16", "bf16", "q8_0",
+    "q4_0" or "q4_k_m" converts the model's f32 weights by llama.cpp's rule (models.gguf_types)."""
     gguf = _gguf()
     arch = model_arch(model)
     if arch not in ARCH_META:
         raise GGUFError(f"unsupported GGUF architecture {arch!r}: known are {sorted(ARCH_META)}")
     hp = _hparams_of(model)
     tensors = _tensors_of(model)
+    if tie_output:
+        out, emb = tensors.pop("output.weight", None), tensors.get("token_embd.weight")
+        if out is None or emb is None or not np.array_equal(out.numpy(), emb.numpy()):
+            raise GGUFError("tie_output: output.weight must exist and equal token_embd.weight")
+    try:
+        key = None if ftype is None else gguf_types.file_type(ftype)
+    except ValueError as e:
+        raise GGUFError(f"ftype: {e}") from None
+    if key is not None:
+        converting = [f"{n} ({t.type.name})" for n, t in tensors.items() if t.type != mg.f32]
+        if converting:
+            raise GGUFError(f"ftype={key}: converts f32 weights only; {converting[0]} is not f32 "
+                            f"(write it with ftype=None to keep its type)")
+        types = gguf_types.weight_types({n: t.ne for n, t in tensors.items()}, key, model.n_layer)
+        file_type = gguf_types.FILE_TYPES[key][1]
+    else:
+        types = {n: t.type for n, t in tensors.items()}
+        file_type = _file_type_of(types)
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     try:
         writer.add_name(f"minigraph tiny {arch}")
-        writer.add_file_type(0)                                   # all f32
-        for key, val in _metadata(model, arch, hp).items():
-            _add_kv(writer, gguf, f"{arch}.{key}", val)
+        writer.add_file_type(file_type)
+        for key_, val in _metadata(model, arch, hp).items():
+            _add_kv(writer, gguf, f"{arch}.{key_}", val)
         writer.add_tokenizer_model("none")                       # token ids are fed directly
         if embed_hparams:
             writer.add_string(HPARAMS_KEY, json.dumps(hp, sort_keys=True))
-        for key, (val, vtype, sub) in getattr(model, "gguf_extra_kv", {}).items():   # kept from a loaded file
-            writer.add_key_value(key, val, vtype, sub_type=sub)
-        if tie_output:
-            out, emb = tensors.pop("output.weight", None), tensors.get("token_embd.weight")
-            if out is None or emb is None or not np.array_equal(out.numpy(), emb.numpy()):
-                raise GGUFError("tie_output: output.weight must exist and equal token_embd.weight")
+        for k, (val, vtype, sub) in getattr(model, "gguf_extra_kv", {}).items():   # kept from a loaded file
+            writer.add_key_value(k, val, vtype, sub_type=sub)
         for name, t in tensors.items():
-            if t.type != mg.f32:
-                raise GGUFError(f"tensor {name}: only f32 weights are written, got {t.type.name}")
-            writer.add_tensor(name, np.ascontiguousarray(t.numpy()))
+            data = t.numpy() if t.type == types[name] else gguf_types.convert_values(t.numpy(), types[name])
+            data = np.ascontiguousarray(data)
+            if types[name] in (mg.f32, mg.f16):
+                writer.add_tensor(name, data)
+            else:                                                # bf16 bits and raw blocks as bytes
+                raw = data.view(np.uint8).reshape(data.shape[:-1] + (-1,))
+                writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(types[name].ggml_id))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
     return path
+
+
+def _file_type_of(types: dict) -> int:
+    """llama.cpp's general.file_type for weights already typed: the most common 2-D type."""
+    counts: dict = {}
+    for t in types.values():
+        if t != mg.f32:
+            counts[t] = counts.get(t, 0) + 1
+    if not counts:
+        return 0
+    main = max(counts, key=counts.get)
+    by_type = {v[0]: v[1] for v in gguf_types.FILE_TYPES.values()}
+    return by_type.get(main, 0)
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -453,10 +544,15 @@ def _hparams_from_file(cls, arch: str, kv_all: dict) -> dict:
     return hp
 
 
-def load_gguf(path, devices=None):
+def load_gguf(path, devices=None, *, map_weights: bool = True):
     """Read a GGUF file written by save_gguf (or any file of the same structure): construct the
-    arch's model class on `devices` (None, one backend, or one per layer) and fill its weights."""
-    gguf = _gguf()
+    arch's model class on `devices` (None, one backend, or one per layer) and fill its weights.
+
+    Weights keep the file's type (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k). On host backends
+    (ref, cpu) with map_weights, a weight's memory is the file's mapping itself (copy-on-write
+    pages: nothing is read until used, and writing a weight never changes the file) when its
+    data sits on a 32-byte boundary, which the GGUF alignment (32 by default) gives; a weight
+    off it (a file with a smaller alignment), and every weight on other backends, is copied."""
     reader = _open(path)
     kv_all = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = kv_all.get("general.architecture")
@@ -464,11 +560,24 @@ def load_gguf(path, devices=None):
         raise GGUFError(f"{path}: no general.architecture key")
     cls = model_class(arch)
     hp = _hparams_from_file(cls, arch, kv_all)
-    model = cls(**hp, devices=devices)
-    want = _tensors_of(model)
     found = {t.name: t for t in reader.tensors}
+    types = {}
+    for name, rt in found.items():
+        try:
+            types[name] = from_ggml_id(int(rt.tensor_type))
+        except TypeError as e:
+            raise GGUFError(f"{path}: tensor {name}: {e}") from None
+    tied = "output.weight" not in found and "token_embd.weight" in found
+    if tied:
+        types["output.weight"] = types["token_embd.weight"]
+    try:
+        with loading_weights(types):
+            model = cls(**hp, devices=devices)
+    except mg.OpError as e:
+        raise GGUFError(f"{path}: {e}") from None
+    want = _tensors_of(model)
     missing = [n for n in want if n not in found]
-    if "output.weight" in missing and "token_embd.weight" in found:
+    if "output.weight" in missing and tied:
         missing.remove("output.weight")                      # tied head (llama.cpp's fallback)
         found["output.weight"] = found["token_embd.weight"]
     if missing:
@@ -478,15 +587,36 @@ def load_gguf(path, devices=None):
         raise GGUFError(f"{path}: tensors {extra} have no place in {cls.__name__}")
     for name, t in want.items():              # every type and shape checked before any data is read
         rt = found[name]
-        if rt.tensor_type != gguf.GGMLQuantizationType.F32:
-            raise GGUFError(f"{name}: only f32 tensors are read, got {rt.tensor_type.name}")
         ne = tuple(int(x) for x in rt.shape)
         if ne + (1,) * (4 - len(ne)) != t.ne:
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
+        if types[name] != t.type:
+            raise GGUFError(f"{name}: type in file {types[name].name}, model made {t.type.name}")
+    mapped: dict = {}                         # backend -> one Buffer over the whole mapping
     for name, t in want.items():
-        t.set(np.ascontiguousarray(found[name].data, dtype=np.float32).reshape(t.shape))
+        rt = found[name]
+        dev = t.backend
+        if map_weights and isinstance(dev, HostBackend) and (rt.data_offset % 32 == 0) and _mappable(t):
+            buf = mapped.get(id(dev))
+            if buf is None:
+                buf = mapped[id(dev)] = Buffer(dev, len(reader.data), "weights", reader.data)
+            t.buffer, t.offs = buf, int(rt.data_offset)
+        else:
+            t.set(_as_stored(rt.data, t))
     model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
+
+
+def _mappable(t) -> bool:
+    """A weight that owns its memory, laid out contiguously as the file holds it."""
+    return t.view_src is None and t.is_contiguous()
+
+
+def _as_stored(data, t) -> np.ndarray:
+    """A tensor's file data as ``set`` takes it."""
+    if t.type.is_quantized or t.type == mg.bf16:
+        return np.ascontiguousarray(data).view(t.type.np_dtype).reshape(t.storage_shape)
+    return np.ascontiguousarray(data, dtype=t.type.np_dtype).reshape(t.shape)
 
 
 def _extra_fields(reader, model, arch: str, hp: dict) -> dict:

@@ -1,0 +1,208 @@
+"""GGUF files with half-precision and quantized weights (models/gguf_io.py, models/gguf_types.py):
+every model in every file type loads (mapped from the file), runs on each backend whose kernels take
+the file's types (the others refuse with one line), saves back byte for byte; llama.cpp's rule for
+which weights get which type; bad files fail with one line naming the tensor before any compute."""
+import re
+
+import numpy as np
+import pytest
+
+import gguf
+
+import minigraph as mg
+from minigraph.cli.main import main as cli_main
+from minigraph.models import gguf_types
+from minigraph.models.delta_net import DeltaNetModel
+from minigraph.models.gguf_io import GGUFError, load_gguf, save_gguf
+from minigraph.models.kda import KDAModel
+from minigraph.models.lfm import LFM2Model
+from minigraph.models.mamba2 import Mamba2Model
+from minigraph.models.runner import Runner
+
+# the four models, with the dims the K-quants need (rows of whole 256-blocks)
+MAKERS = {
+    "mamba2": lambda dev: Mamba2Model(n_vocab=40, n_embd=256, d_inner=512, n_head=8, n_group=2, n_layer=2,
+                                      devices=dev, seed=1),
+    "delta-net": lambda dev: DeltaNetModel(n_vocab=40, n_embd=256, head_dim=64, n_ff=512, n_layer=2, devices=dev, seed=1),
+    "lfm": lambda dev: LFM2Model(n_vocab=40, n_embd=256, n_ff=512, n_head=4, head_count_kv=[0, 2], n_layer=2,
+                                 devices=dev, seed=1),
+    "kda": lambda dev: KDAModel(n_vocab=40, n_embd=256, n_head=2, head_dim=128, n_ff=512, n_layer=2, devices=dev, seed=1),
+}
+FILE_TYPES = ["f16", "bf16", "q8_0", "q4_0", "q4_k_m"]
+TOKENS = [{0: [1, 2, 3, 4, 5]}, {0: [6]}]
+
+
+def backends():
+    """ref always; cpu too (it runs the files whose types its kernels declare, else refuses)."""
+    return ["ref", "cpu"]
+
+
+def _logits(model):
+    r = Runner(model, mem_size=1, n_rs_seq=1)
+    return [r.decode_seq_tokens(step)[0] for step in TOKENS]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant_gguf")
+    out = {}
+    for name, make in MAKERS.items():
+        m = make(mg.backend("ref"))
+        out[name] = (m, {ft: save_gguf(m, d / f"{name}-{ft}.gguf", ftype=ft) for ft in FILE_TYPES})
+    return out
+
+
+@pytest.mark.parametrize("ftype", FILE_TYPES)
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_file_type_loads_mapped_and_saves_back(files, name, ftype, tmp_path):
+    model, paths = files[name]
+    path = paths[ftype]
+    loaded = load_gguf(path, devices=mg.backend("ref"))
+    want_types = gguf_types.weight_types({n: t.ne for n, t in model.gguf_tensors().items()}, ftype, model.n_layer)
+    for n, t in loaded.gguf_tensors().items():
+        assert t.type == want_types[n], n
+        assert isinstance(t.root().buffer.mem, np.memmap), f"{n} was copied, not mapped"
+        stored = gguf_types.convert_values(model.gguf_tensors()[n].numpy(), t.type)
+        assert np.array_equal(t.numpy().view(np.uint8), np.asarray(stored).view(np.uint8)), n
+    again = save_gguf(loaded, tmp_path / "again.gguf")
+    assert again.read_bytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize("backend_name", backends())
+@pytest.mark.parametrize("ftype", FILE_TYPES)
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_file_type_runs_on_each_backend_that_takes_it(files, name, ftype, backend_name):
+    _, paths = files[name]
+    be = mg.backend(backend_name)
+    loaded = load_gguf(paths[ftype], devices=be)
+    needed = {t.type.name for t in loaded.gguf_tensors().values() if not t.type.numpy_native or t.type == mg.f16}
+    missing = sorted(needed - set(be.wide_types))
+    if missing:        # until the backend's kernels take these types: a clean refusal
+        with pytest.raises(mg.OpError, match=f"backend {be.name} has no kernel for ({'|'.join(missing)}) sources"):
+            _logits(loaded)
+        return
+    got = _logits(loaded)
+    want = _logits(load_gguf(paths[ftype], devices=mg.backend("ref")))
+    for g, w in zip(got, want):
+        assert float(np.max(np.abs(g - w)) / np.max(np.abs(w))) <= 1e-4
+
+
+def test_quantized_logits_stay_near_the_f32_model(files):
+    """A sanity bound, not the arithmetic check (that is tests/test_llama_oracle_quant.py)."""
+    model, paths = files["lfm"]
+    base = _logits(model)
+    for ftype, bound in {"f16": 5e-3, "bf16": 3e-2, "q8_0": 5e-2, "q4_k_m": 0.5}.items():
+        got = _logits(load_gguf(paths[ftype], devices=mg.backend("ref")))
+        err = max(float(np.max(np.abs(g - b)) / np.max(np.abs(b))) for g, b in zip(got, base))
+        assert err <= bound, (ftype, err)
+
+
+@pytest.mark.parametrize("ftype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_cli_runs_each_model_from_a_quantized_file(files, name, ftype, capsys):
+    _, paths = files[name]
+    rc = cli_main(["run", "--gguf", str(paths[ftype]), "--devices", "ref", "--steps", "2", "--json"])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_copy_on_write_mapping_and_copies(files, tmp_path):
+    _, paths = files["lfm"]
+    path = paths["q8_0"]
+    before = path.read_bytes()
+    m = load_gguf(path, devices=mg.backend("ref"))
+    w = m.gguf_tensors()["blk.0.ffn_up.weight"]
+    w.set(np.zeros(w.storage_shape, np.uint8))          # private pages: the file is not touched
+    assert path.read_bytes() == before
+    copied = load_gguf(path, devices=mg.backend("ref"), map_weights=False)
+    t = copied.gguf_tensors()["blk.0.ffn_up.weight"]
+    assert not isinstance(t.root().buffer.mem, np.memmap)
+    assert np.array_equal(t.numpy(), load_gguf(path, devices=mg.backend("ref")).gguf_tensors()["blk.0.ffn_up.weight"].numpy())
+
+
+def test_q4_k_m_rule():
+    """ffn_down and attention-V get Q6_K on llama.cpp's use_more_bits layers, output Q6_K, the rest
+    Q4_K; 1-D tensors, norms and conv kernels stay f32; odd row lengths fall back."""
+    tensors = {"token_embd.weight": (256, 40, 1, 1), "output.weight": (256, 40, 1, 1),
+               "output_norm.weight": (256, 1, 1, 1)}
+    for il in range(8):
+        tensors |= {f"blk.{il}.ffn_down.weight": (512, 256, 1, 1), f"blk.{il}.attn_v.weight": (256, 64, 1, 1),
+                    f"blk.{il}.ffn_up.weight": (256, 512, 1, 1), f"blk.{il}.ssm_conv1d.weight": (4, 512, 1, 1),
+                    f"blk.{il}.ssm_a": (1, 8, 1, 1), f"blk.{il}.ssm_norm.weight": (64, 4, 1, 1),
+                    f"blk.{il}.ssm_f_b.weight": (16, 256, 1, 1), f"blk.{il}.attn_q.weight": (96, 256, 1, 1)}
+    types = gguf_types.weight_types(tensors, "q4_k_m", 8)
+    name = {t: t.name for t in set(types.values())}
+    q6 = {il for il in range(8) if name[types[f"blk.{il}.ffn_down.weight"]] == "q6_k"}
+    assert q6 == {0, 3, 6, 7} == {il for il in range(8) if name[types[f"blk.{il}.attn_v.weight"]] == "q6_k"}
+    assert types["output.weight"] == mg.q6_k and types["token_embd.weight"] == mg.q4_k
+    assert types["blk.0.ffn_up.weight"] == mg.q4_k
+    for kept in ("output_norm.weight", "blk.0.ssm_conv1d.weight", "blk.0.ssm_a", "blk.0.ssm_norm.weight"):
+        assert types[kept] == mg.f32, kept
+    assert types["blk.0.ssm_f_b.weight"] == mg.f16          # 16 columns: not whole blocks of anything
+    assert types["blk.0.attn_q.weight"] == mg.q8_0          # 96 columns: q4_k falls back (llama.cpp: q5_0)
+    tied = gguf_types.weight_types({k: v for k, v in tensors.items() if k != "output.weight"}, "q4_0", 8)
+    assert tied["token_embd.weight"] == mg.q6_k and tied["blk.0.ffn_up.weight"] == mg.q4_0
+
+
+# -- bad files -----------------------------------------------------------------------------------------
+
+def _corrupt(src, dst, tensor: str, part: int, value=None, delta=0):
+    """A copy of src with one tensor-info part (3 dims, 4 type, 5 offset) changed."""
+    dst.write_bytes(src.read_bytes())
+    r = gguf.GGUFReader(str(dst), "r+")
+    t = next(t for t in r.tensors if t.name == tensor)
+    arr = t.field.parts[part]
+    arr[0] = value if value is not None else arr[0] + delta
+    r.data.flush()
+    return dst
+
+
+@pytest.mark.parametrize("make, text", [
+    (lambda p, d: _corrupt(p, d, "blk.0.ffn_up.weight", 5, delta=2),
+     "tensor blk.0.ffn_up.weight: data offset \\d+ is not a multiple of the file's alignment 32"),
+    (lambda p, d: _corrupt(p, d, "blk.0.ffn_up.weight", 4, value=1),
+     "tensor blk.0.ffn_up.weight: F16 ne=\\[256, 512\\] takes 262144 bytes, but tensor .* starts \\d+ bytes after "
+     "it: its size does not match its type and shape"),
+    (lambda p, d: _corrupt(p, d, "blk.0.ffn_up.weight", 4, value=99), "tensor blk.0.ffn_up.weight: unknown ggml type id 99"),
+    (lambda p, d: _corrupt(p, d, "blk.0.ffn_up.weight", 3, value=100),
+     "tensor blk.0.ffn_up.weight: Q8_0 rows of ne0=100 are not whole blocks of 32"),
+    (lambda p, d: (d.write_bytes(p.read_bytes()[:-1000]), d)[1], "run past the end of the file .*truncated"),
+])
+def test_bad_file_is_one_line_naming_the_tensor(files, tmp_path, make, text):
+    _, paths = files["lfm"]
+    bad = make(paths["q8_0"], tmp_path / "bad.gguf")
+    with pytest.raises(GGUFError) as e:
+        load_gguf(bad, devices=mg.backend("ref"))
+    msg = str(e.value)
+    assert "\n" not in msg and re.search(text, msg), msg
+
+
+def test_bad_ftype_and_typed_weights_are_refused(files, tmp_path):
+    model, paths = files["lfm"]
+    with pytest.raises(GGUFError, match="ftype: file type 'q5_1': valid are f32, f16, bf16, q8_0, q4_0, q4_k_m"):
+        save_gguf(model, tmp_path / "x.gguf", ftype="q5_1")
+    loaded = load_gguf(paths["q8_0"], devices=mg.backend("ref"))
+    with pytest.raises(GGUFError, match="ftype=q4_0: converts f32 weights only; .* \\(q8_0\\) is not f32"):
+        save_gguf(loaded, tmp_path / "x.gguf", ftype="q4_0")
+
+
+def test_cli_quantize_writes_the_file_type(files, tmp_path, capsys):
+    _, paths = files["mamba2"]
+    f32 = save_gguf(files["mamba2"][0], tmp_path / "f32.gguf")
+    out = tmp_path / "q.gguf"
+    assert cli_main(["quantize", "--gguf", str(f32), "--out", str(out), "--type", "q4_k_m"]) == 0
+    assert out.read_bytes() == paths["q4_k_m"].read_bytes()          # the same writer, the same rule
+    assert cli_main(["quantize", "lfm", "--out", str(tmp_path / "z.gguf"), "--type", "q8_0"]) == 0
+    kinds = {t.type.name for t in load_gguf(tmp_path / "z.gguf", devices=mg.backend("ref")).gguf_tensors().values()}
+    assert kinds == {"f32", "q8_0"}
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["quantize", "--out", "x.gguf", "--type", "q8_0"], "name a zoo MODEL or give --gguf FILE"),
+    (["quantize", "lfm", "--out", "x.gguf", "--type", "q5_1"], "argument --type: invalid choice"),
+    (["quantize", "--gguf", "absent.gguf", "--out", "x.gguf", "--type", "q8_0"], "--gguf absent.gguf: no such file"),
+])
+def test_cli_quantize_bad_flags_exit_2(argv, text, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2 and text in capsys.readouterr().err
