@@ -557,7 +557,7 @@ def _op_flash_attn_ext(be, node, ops):
 
 def _mul_mat_weights(be, node, ops):
     """MUL_MAT with f16 / bf16 / block weights (quant.cu): src1's rows converted to the weights'
-    vec_dot_type into scratch, then one thread per output element."""
+    vec_dot_type into scratch, then one warp per output element."""
     a, b, d = ops["a"], ops["b"], ops["dst"]
     K = a.ne[0]
     vt = a.type.vec_dot_type
@@ -568,9 +568,10 @@ def _mul_mat_weights(be, node, ops):
     be._flat(f"src1_to_{vt.name}", rows * per_row,
              [np.int64(per_row)] + divs((b.ne[1], b.ne[2], b.ne[3], 1)) + [b.p()] + b.strides()
              + [Ptr(be.dev.ptr(scratch)), np.int64(row_bytes)])
-    be._flat(f"mul_mat_{a.type.name}", d.n,
-             divs(d.ne) + [np.int64(K), np.int64(b.ne[2] // a.ne[2]), np.int64(b.ne[3] // a.ne[3]), a.p()]
-             + a.strides() + [Ptr(be.dev.ptr(scratch)), np.int64(row_bytes), d.p()] + d.strides())
+    be._launch(f"mul_mat_{a.type.name}", (_cdiv(d.n, 8), 1, 1), (32, 8, 1),   # a warp per output
+               [np.int64(d.n)] + divs(d.ne) + [np.int64(K), np.int64(b.ne[2] // a.ne[2]),
+                                               np.int64(b.ne[3] // a.ne[3]), a.p()]
+               + a.strides() + [Ptr(be.dev.ptr(scratch)), np.int64(row_bytes), d.p()] + d.strides())
 
 
 @runs("MUL_MAT")

@@ -2,7 +2,7 @@
 // as in backends/cpu/quant.h): GET_ROWS to f32, CPY f32 <-> bf16 and f32 -> q8_0 / q4_0, and
 // MUL_MAT with such weights the way ggml's CPU computes it: src1's rows are first converted to
 // the weights' dot type (q8_0, q8_K, f16, bf16) into scratch, then each output element is one
-// thread's sum over blocks of (exact integer dot product) * (the blocks' scales). Values and
+// warp's sum over blocks of (exact integer dot product) * (the blocks' scales). Values and
 // bytes agree with ggml's: every product and sum is rounded on its own (__fmul_rn / __fadd_rn,
 // no contraction), f16 and bf16 round to nearest even, the q8_0 conversion is ggml's x86 mul_mat
 // one (127 / amax, ties to even), q8_K's and q4_0's the reference ones.
@@ -197,11 +197,14 @@ extern "C" __global__ void src1_to_q8_k(SC_PARAMS) { src1_convert<3>(SC_ARGS); }
 extern "C" __global__ void src1_to_f16(SC_PARAMS) { src1_convert<5>(SC_ARGS); }
 extern "C" __global__ void src1_to_bf16(SC_PARAMS) { src1_convert<6>(SC_ARGS); }
 
-// ---- MUL_MAT step 2: one thread per output element: weight row x converted row ----
-template <int T> __device__ __forceinline__ float dot_row(const char *x, const char *y, i64 K);
-template <> __device__ __forceinline__ float dot_row<1>(const char *x, const char *y, i64 K) {   // q8_0
+// ---- MUL_MAT step 2: one warp per output element: weight row x converted row ----
+// dot_row<T>(x, y, K, lane) is lane's share: blocks (or values, for f16 / bf16) lane, lane + 32,
+// ... in order; the warp then adds the 32 partial sums (warp_sum: a fixed butterfly order), so an
+// output does not depend on the launch shape. Consecutive lanes read consecutive blocks.
+template <int T> __device__ __forceinline__ float dot_row(const char *x, const char *y, i64 K, int lane);
+template <> __device__ __forceinline__ float dot_row<1>(const char *x, const char *y, i64 K, int lane) {   // q8_0
     float s = 0.0f;
-    for (i64 b = 0; b < K / 32; b++) {
+    for (i64 b = lane; b < K / 32; b += 32) {
         const char *xb = x + 34 * b, *yb = y + 34 * b;
         int isum = 0;
         for (int j = 0; j < 32; j++) isum += i8_at(xb + 2, j) * i8_at(yb + 2, j);
@@ -209,9 +212,9 @@ template <> __device__ __forceinline__ float dot_row<1>(const char *x, const cha
     }
     return s;
 }
-template <> __device__ __forceinline__ float dot_row<2>(const char *x, const char *y, i64 K) {   // q4_0
+template <> __device__ __forceinline__ float dot_row<2>(const char *x, const char *y, i64 K, int lane) {   // q4_0
     float s = 0.0f;
-    for (i64 b = 0; b < K / 32; b++) {
+    for (i64 b = lane; b < K / 32; b += 32) {
         const char *xb = x + 18 * b, *yb = y + 34 * b;
         int isum = 0;
         for (int j = 0; j < 32; j++) isum += q4_0_level(xb, j) * i8_at(yb + 2, j);
@@ -219,9 +222,9 @@ template <> __device__ __forceinline__ float dot_row<2>(const char *x, const cha
     }
     return s;
 }
-template <> __device__ __forceinline__ float dot_row<3>(const char *x, const char *y, i64 K) {   // q4_K
+template <> __device__ __forceinline__ float dot_row<3>(const char *x, const char *y, i64 K, int lane) {   // q4_K
     float s = 0.0f, smin = 0.0f;
-    for (i64 b = 0; b < K / 256; b++) {
+    for (i64 b = lane; b < K / 256; b += 32) {
         const char *xb = x + 144 * b, *yb = y + 292 * b;
         const float yd = ld<float>(yb);
         int isum = 0, imin = 0;
@@ -236,9 +239,9 @@ template <> __device__ __forceinline__ float dot_row<3>(const char *x, const cha
     }
     return __fadd_rn(s, smin);
 }
-template <> __device__ __forceinline__ float dot_row<4>(const char *x, const char *y, i64 K) {   // q6_K
+template <> __device__ __forceinline__ float dot_row<4>(const char *x, const char *y, i64 K, int lane) {   // q6_K
     float s = 0.0f;
-    for (i64 b = 0; b < K / 256; b++) {
+    for (i64 b = lane; b < K / 256; b += 32) {
         const char *xb = x + 210 * b, *yb = y + 292 * b;
         int isum = 0;
         for (int g = 0; g < 16; g++) {
@@ -250,29 +253,32 @@ template <> __device__ __forceinline__ float dot_row<4>(const char *x, const cha
     }
     return s;
 }
-template <> __device__ __forceinline__ float dot_row<5>(const char *x, const char *y, i64 K) {   // f16
+template <> __device__ __forceinline__ float dot_row<5>(const char *x, const char *y, i64 K, int lane) {   // f16
     float s = 0.0f;
-    for (i64 k = 0; k < K; k++) s = __fadd_rn(s, __fmul_rn(h2f_at(x + 2 * k), h2f_at(y + 2 * k)));
+    for (i64 k = lane; k < K; k += 32) s = __fadd_rn(s, __fmul_rn(h2f_at(x + 2 * k), h2f_at(y + 2 * k)));
     return s;
 }
-template <> __device__ __forceinline__ float dot_row<6>(const char *x, const char *y, i64 K) {   // bf16
+template <> __device__ __forceinline__ float dot_row<6>(const char *x, const char *y, i64 K, int lane) {   // bf16
     float s = 0.0f;
-    for (i64 k = 0; k < K; k++) s = __fadd_rn(s, __fmul_rn(bf2f(ld<u16>(x + 2 * k)), bf2f(ld<u16>(y + 2 * k))));
+    for (i64 k = lane; k < K; k += 32) s = __fadd_rn(s, __fmul_rn(bf2f(ld<u16>(x + 2 * k)), bf2f(ld<u16>(y + 2 * k))));
     return s;
 }
 
 // dst [M, N, n2, n3]: element (m, n, i2, i3) = row m of a's plane (i2 / r2, i3 / r3) . converted
-// row (n, i2, i3) (row_bytes apart, contiguous)
+// row (n, i2, i3) (row_bytes apart, contiguous). Block (32, 8): warp threadIdx.y of each block
+// takes outputs blockIdx.x * 8 + threadIdx.y, then every gridDim.x * 8-th.
 template <int T>
 __device__ __forceinline__ void mul_mat_q(i64 n, DIVS(dd), i64 K, i64 r2, i64 r3, const char *a, NB4(a),
                                           const char *y, i64 row_bytes, char *dst, NB4(d)) {
-    GRID_STRIDE_LOOP(i, n) {
+    const int lane = threadIdx.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.y + threadIdx.y; i < n; i += (i64)gridDim.x * blockDim.y) {
         i64 m, c, i2, i3;
         unflat(i, n, DIVS_PASS(dd), m, c, i2, i3);
         const i64 ne1 = dd_d1, ne2 = dd_d2;
         const char *x = a + m * a_nb1 + (i2 / r2) * a_nb2 + (i3 / r3) * a_nb3;
         const char *yr = y + ((i3 * ne2 + i2) * ne1 + c) * row_bytes;
-        st<float>(dst + OFFS(d, m, c, i2, i3), dot_row<T>(x, yr, K));
+        const float s = warp_sum(dot_row<T>(x, yr, K, lane));
+        if (lane == 0) st<float>(dst + OFFS(d, m, c, i2, i3), s);
     }
 }
 #define MQ_PARAMS i64 n, DIVS(dd), i64 K, i64 r2, i64 r3, const char *a, NB4(a), const char *y, i64 row_bytes, char *dst, NB4(d)
