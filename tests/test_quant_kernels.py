@@ -260,3 +260,88 @@ def test_cpu_runs_every_typed_case():
             g.build_forward_expand(o)
         for node in g.nodes:
             assert be.supports_op(node), f"{case.id}: {node.op} {node.label} not supported by cpu"
+
+
+# -- the portable build: the scalar code paths (MINIGRAPH_PORTABLE=1, or a CPU without AVX2) ------
+
+PORTABLE_SOURCES = ("quant_codec.c", "quant_matmul.c", "copy.c", "matmul.c", "index.c", "plan.c")
+
+
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """The block-type kernels built without -march (no AVX2: the portable C), with the executor and
+    the files they need, loaded through cffi's ABI mode; records are filled by hand below."""
+    import os
+    import shutil
+    import subprocess
+    from cffi import FFI
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the portable kernels")
+    here = os.path.dirname(cpu.__file__)
+    so = str(tmp_path_factory.mktemp("portable") / "libmg_portable.so")
+    cmd = [cc, "-O2", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC",
+           "-Wl,--no-undefined", *[os.path.join(here, f) for f in PORTABLE_SOURCES], "-o", so, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+    ffi = FFI()
+    with open(os.path.join(here, "mg_api.h")) as f:
+        ffi.cdef(f.read())
+    lib = ffi.dlopen(so)
+    assert lib.mg_quant_simd() == 0
+    codes = {ffi.string(lib.mg_op_name(i)).decode(): i for i in range(lib.mg_op_count())}
+    return ffi, lib, codes
+
+
+def _fill(ffi, ct, arr, code, ne, nb):
+    ct.data = ffi.cast("char *", arr.ctypes.data)
+    ct.ne = list(ne)
+    ct.nb = list(nb)
+    ct.type = code
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
+def test_portable_build_matches_ggml(portable_lib, t):
+    """mul_mat (the src1 conversion record, then MUL_MAT) and get_rows of the portable C against
+    ggml: NMSE 1e-10 and bit for bit."""
+    ffi, lib, codes = portable_lib
+    rng = np.random.default_rng(9)
+    tc = cpu._TYPE_CODES[t]
+    K = 2 * t.blck_size if t.is_quantized else 77
+    M, N = 11, 3
+    b = Built(Context())
+    w = b.leaf(t, (K, M), rng=rng)
+    x = b.leaf(f32, (K, N), rng=rng)
+    b.out(mg.mul_mat(w, x))
+    want = run_in_ggml(b)[0].reshape(N, M)
+    wraw = np.ascontiguousarray(b.data[w]).view(np.uint8).reshape(M, -1)
+    xs = np.ascontiguousarray(b.data[x], np.float32).reshape(N, K)
+    rs = wraw.shape[1]
+    wt, wrow = lib.mg_work_type(tc), lib.mg_work_row_bytes(tc, K)
+    work = np.zeros(N * wrow + 64, np.uint8)
+    out = np.zeros((N, M), np.float32)
+    recs = ffi.new("mg_node[2]")
+    recs[0].op, recs[0].n_src = codes["MUL_MAT:src1_to_dot_type"], 1
+    _fill(ffi, recs[0].src[0], xs, 0, (K, N, 1, 1), (4, 4 * K, 4 * K * N, 4 * K * N))
+    _fill(ffi, recs[0].dst, work, wt, (K, N, 1, 1), (1, wrow, wrow * N, wrow * N))
+    recs[1].op, recs[1].n_src = codes["MUL_MAT"], 2
+    _fill(ffi, recs[1].src[0], wraw, tc, (K, M, 1, 1), (t.size, rs, rs * M, rs * M))
+    recs[1].src[1] = recs[0].dst
+    _fill(ffi, recs[1].dst, out, 0, (M, N, 1, 1), (4, 4 * M, 4 * M * N, 4 * M * N))
+    err = ffi.new("mg_error *")
+    assert lib.mg_plan_run(recs, 2, 2, err) == 0
+    assert nmse(out, want) <= 1e-10, f"portable {t.name}: NMSE {nmse(out, want):.3g}"
+
+    idx = np.array([M - 1, 0, 3], np.int32)
+    rows = np.zeros((3, K), np.float32)
+    g = ffi.new("mg_node[1]")
+    g[0].op, g[0].n_src = codes["GET_ROWS"], 2
+    _fill(ffi, g[0].src[0], wraw, tc, (K, M, 1, 1), (t.size, rs, rs * M, rs * M))
+    _fill(ffi, g[0].src[1], idx, 2, (3, 1, 1, 1), (4, 12, 12, 12))
+    _fill(ffi, g[0].dst, rows, 0, (K, 3, 1, 1), (4, 4 * K, 12 * K, 12 * K))
+    assert lib.mg_plan_run(g, 1, 1, err) == 0
+    gb = Built(Context())
+    ga = gb.leaf(t, (K, M), data=b.data[w])
+    gb.out(mg.get_rows(ga, gb.leaf(i32, (3,), data=idx)))
+    assert np.array_equal(rows.view(np.uint32), run_in_ggml(gb)[0].reshape(3, K).view(np.uint32))
