@@ -68,7 +68,10 @@ def dequantize(data, type=None, shape=None) -> np.ndarray:
             raise OpError(f"dequantize {t.name}: expected raw bytes, got a scalar")
         if shape is not None:
             ne0 = int(shape[-1]) if len(shape) else 1
-            raw = raw.reshape(-1, row_size(t, ne0)) if ne0 % t.blck_size == 0 else raw
+            if ne0 % t.blck_size or raw.size % row_size(t, ne0):
+                raise OpError(f"dequantize {t.name}: {raw.size} bytes do not hold rows of {ne0} values "
+                              f"(shape {tuple(shape)}, blocks of {t.blck_size} in {t.size} bytes)")
+            raw = raw.reshape(-1, row_size(t, ne0))
     if raw.shape[-1] % t.size:
         raise OpError(f"dequantize {t.name}: a row of {raw.shape[-1]} bytes is not whole blocks of {t.size}")
     out = dequantize_values(raw, t.name)

@@ -1,8 +1,11 @@
 """GGUF files for the recurrent models, with llama.cpp's architecture names, metadata keys and
 tensor names, through the `gguf` package (pip install 'minigraph[gguf]').
 
-    save_gguf(model, path)                     write a model's hyperparameters and weights
+    save_gguf(model, path, ftype=None)         write a model's hyperparameters and weights (ftype:
+                                               f16, bf16, q8_0, q4_0 or q4_k_m converts the f32
+                                               weights by llama.cpp's rule, models/gguf_types.py)
     load_gguf(path, devices=None) -> model     build the arch's model class and fill its weights
+                                               (any of those types; mapped from the file on ref/cpu)
 
 Architectures: "lfm2" (models.lfm.LFM2Model), "kimi-linear" (models.kda.KDAModel), "mamba2"
 (models.mamba2), "qwen35" (models.delta_net). A model class takes part through this protocol:
@@ -28,6 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 from struct import error as struct_error
 from pathlib import Path
 
@@ -451,7 +455,11 @@ def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = Fal
         types = {n: t.type for n, t in tensors.items()}
         file_type = _file_type_of(types)
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), arch)
+    # written beside the target, then renamed over it: a model whose weights are mapped from the
+    # target file keeps reading the old file (its inode lives on), and a failed write leaves it as it was
+    tmp = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    done = False
     try:
         writer.add_name(f"minigraph tiny {arch}")
         writer.add_file_type(file_type)
@@ -473,8 +481,13 @@ def save_gguf(model, path, *, embed_hparams: bool = True, tie_output: bool = Fal
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+        done = True
     finally:
         writer.close()
+        if done:
+            os.replace(tmp, path)
+        else:
+            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -592,6 +605,11 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
         if types[name] != t.type:
             raise GGUFError(f"{name}: type in file {types[name].name}, model made {t.type.name}")
+    for name, t in want.items():              # raw blocks only where the device's kernels take them
+        dev = t.backend
+        if not t.type.numpy_native and not isinstance(dev, HostBackend) and t.type.name not in dev.wide_types:
+            raise GGUFError(f"{path}: tensor {name} is {t.type.name}: backend {dev.name} has no kernels for "
+                            f"{t.type.name} (load it on ref or cpu)")
     mapped: dict = {}                         # backend -> one Buffer over the whole mapping
     for name, t in want.items():
         rt = found[name]

@@ -81,5 +81,10 @@ def test_case_data_is_never_all_zero():
     for case in CASES:
         built = case.make(np.random.default_rng(0))
         for t, arr in built.data.items():
-            if arr.size and t.type.is_float:
+            if arr.size and t.type.is_quantized:     # raw blocks: a zero byte is fine, a zero block is not
+                values = mg.dequantize(arr.reshape(-1, arr.shape[-1]), t.type).reshape(-1, t.type.blck_size)
+                assert np.all(np.any(values != 0, axis=1)), f"{case.id}: a zero block in leaf data"
+            elif arr.size and t.type == mg.bf16:
+                assert np.count_nonzero(mg.dequantize(arr.view(np.uint8), mg.bf16)) == arr.size, f"{case.id}: zero"
+            elif arr.size and t.type.is_float:
                 assert np.count_nonzero(arr) == arr.size, f"{case.id}: zero in leaf data"

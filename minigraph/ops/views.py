@@ -50,7 +50,7 @@ def _ggml_view(g, node, src):
     NULL = g.ffi.NULL
     root = a.view_src if a.view_src != NULL else a
     root_offs = (a.view_offs if a.view_src != NULL else 0) + offset
-    contiguous_size = ne[0] * node.type.size * ne[1] * ne[2] * ne[3]
+    contiguous_size = ne[0] // node.type.blck_size * node.type.size * ne[1] * ne[2] * ne[3]
     if nb[0] == node.type.size and (contiguous_size == 0 or contiguous_size + root_offs <= g.lib.ggml_nbytes(root)):
         return g.call("view_4d", a, *ne, *nb[1:], offset)
     t = g.call("view_4d", a, 1, 1, 1, 1, nb[1], nb[2], nb[3], offset)

@@ -1,7 +1,8 @@
 """mul_mat with a half-precision or block-type src0, as ggml's CPU does it.
 
 ggml first converts each f32 row of src1 to the src0 type's vec_dot_type (f16 -> f16, bf16 ->
-bf16, q8_0 and q4_0 -> q8_0, q4_k and q6_k -> q8_k, with the reference quantizers), then takes
+bf16, q8_0 and q4_0 -> q8_0, q4_k and q6_k -> q8_k; q8_k with the reference quantizer, q8_0 with
+the CPU backend's own, see simple.quantize_q8_0_activations), then takes
 per block the integer dot product of the two rows' levels and scales it by the blocks' float
 scales. Here the integer sums are exact (float64 einsums of small integers) and the per-block
 scale products are float32 as in ggml; only the final sum over blocks runs in float64 where ggml
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kquants import q4_k_parts, q6_k_parts
-from .simple import F32, bf16_bits_to_f32, f16_value, f32_to_bf16_bits, quantize_q8_0, quantize_q8_k
+from .simple import F32, bf16_bits_to_f32, f16_value, f32_to_bf16_bits, quantize_q8_0_activations, quantize_q8_k
 
 _CHUNK = 1 << 22      # values of the per-block partial sums held at once
 
@@ -52,7 +53,7 @@ def _mm_q8_0_like(a_raw, b, name):
     da, qa = da.reshape(M, nbk), qa.reshape(M, nbk, 32)
 
     def chunk(_, bc):
-        db, qb = _q8_0_parts(quantize_q8_0(bc.reshape(-1, 32)))
+        db, qb = _q8_0_parts(quantize_q8_0_activations(bc.reshape(-1, 32)))
         db, qb = db.reshape(-1, nbk), qb.reshape(-1, nbk, 32)
         scale = (da[:, None, :] * db[None, :, :]).astype(F32)              # ggml: d_x * d_y in f32
         return (_dots(qa, qb) * scale).sum(axis=2).T

@@ -61,6 +61,18 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     return np.concatenate([f16_bytes(d), q.view(np.uint8)], axis=1)
 
 
+def quantize_q8_0_activations(x: np.ndarray) -> np.ndarray:
+    """q8_0 as ggml's CPU backend converts mul_mat's src1 rows on x86 (its AVX quantizer): the
+    same scale d, but the values are x * (127 / absmax) rounded half to even, where the reference
+    quantizer above takes x * (1 / d) rounded half away from zero; the two differ near ties."""
+    amax = np.abs(x).max(axis=1)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, F32(127) / np.where(amax != 0, amax, F32(1)), F32(0)).astype(F32)
+    q = nearest(x * inv[:, None]).astype(np.int8)
+    return np.concatenate([f16_bytes(d), q.view(np.uint8)], axis=1)
+
+
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     d = f16_value(raw[:, :2])
     return raw[:, 2:].view(np.int8).astype(F32) * d[:, None]
