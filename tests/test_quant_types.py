@@ -41,6 +41,8 @@ def _cases(rng, n):
     yield "zero-blocks", x
     yield "positive", rng.uniform(0.1, 3, (3, n)).astype(np.float32)
     yield "integers", rng.integers(-8, 8, (3, n)).astype(np.float32)
+    # exact halves after scaling (127 makes q8's scale 1): the reference rounds them away from zero
+    yield "ties", np.tile(np.r_[127.0, np.arange(31) - 15.5], (2, n // 32)).astype(np.float32)
 
 
 @pytest.mark.parametrize("t", CODEC_TYPES, ids=lambda t: t.name)

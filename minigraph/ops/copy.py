@@ -5,7 +5,7 @@ import numpy as np
 
 from ..registry import GgmlCall, Out, Src, build, op, reference, require
 from ..tensor import Tensor
-from ..quants import quantize_values
+from ..quants import quantize_values_cpu
 from ..quants.simple import bf16_bits_to_f32, f32_to_bf16_bits
 from ..types import DType, bf16, f16, f32, i32, q4_0, q8_0
 from .public import public
@@ -27,7 +27,7 @@ def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype == bf16:
         return f32_to_bf16_bits(x.astype(np.float32))
     if dtype.is_quantized:
-        return quantize_values(x.astype(np.float32), dtype.name)
+        return quantize_values_cpu(x.astype(np.float32), dtype.name)     # as ggml's CPU cpy does
     if not dtype.is_float and x.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             return np.trunc(x.astype(np.float64)).astype(dtype.np_dtype)

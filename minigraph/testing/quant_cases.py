@@ -75,3 +75,39 @@ for _t in (q8_0, q4_0):
         dst = b.leaf(_t, (K, M, ne2), rng=rng)
         b.out(mg.cpy(x, dst))
         return b
+
+    @case("CPY", f"cast_f32_to_{_t.name}_normal", exact=True, types=(_t.name,))
+    def _(rng, _t=_t):
+        """Normal values, and a row of exact halves (127 sets the scale to 1): ggml's CPU quantizes
+        a cpy's rows with its own routine, which rounds q8_0's ties to even (its reference
+        quantizer, mg.quantize, rounds them away from zero)."""
+        b = Built(Context())
+        values = rng.standard_normal((64, 4 * _t.blck_size)) * 3
+        ties = np.tile(np.r_[127.0, np.arange(31) - 15.5], 4 * _t.blck_size // 32)
+        values[0] = ties
+        x = b.leaf(f32, (4 * _t.blck_size, 64), data=values)
+        b.out(mg.cast(x, _t))
+        return b
+
+
+for _t in (f16, q4_0, q4_k):
+    @case("MUL_MAT", f"{_t.name}_strided_src1_broadcast", nmse=1e-10, types=_wide(_t, "MUL_MAT"))
+    def _(rng, _t=_t):
+        """src1 with padded rows (converted row by row) and src0 broadcast over dims 2 and 3."""
+        b = Built(Context())
+        K, M, N = _k(rng, _t), int(rng.integers(2, 7)), int(rng.integers(1, 5))
+        a = b.leaf(_t, (K, M, 1, 2), rng=rng)
+        x = b.input(rng, f32, (K, N, 2, 4), "strided")
+        b.out(mg.mul_mat(a, x))
+        return b
+
+    @case("GET_ROWS", f"{_t.name}_rows_of_a_view", exact=True, types=_wide(_t))
+    def _(rng, _t=_t):
+        """Rows from a view that starts one row into a larger table."""
+        b = Built(Context())
+        K, R, n = _k(rng, _t), int(rng.integers(3, 8)), int(rng.integers(1, 6))
+        table = b.leaf(_t, (K, R + 1), rng=rng)
+        rows = mg.view_2d(table, K, R, table.nb[1], table.nb[1])
+        ids = b.leaf(i32, (n,), data=rng.integers(0, R, n))
+        b.out(mg.get_rows(rows, ids))
+        return b
