@@ -1,6 +1,7 @@
 /* Copies that move data: CPY (with type conversion) / CONT, CONCAT, REPEAT. */
 #include <stdlib.h>
 #include "mg.h"
+#include "quant.h"
 
 #define CONV_LOOP(DT, ST, EXPR)                                                      \
     do {                                                                             \
@@ -19,6 +20,17 @@
 
 /* dst: n elements of type dt at stride dnb; src: n elements of type st at stride snb */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n) {
+    if (mg_blck_size(st) > 1 || mg_blck_size(dt) > 1) {
+        /* block types: whole rows only (dense by the shape rules) */
+        if (dt == st) memcpy(dst, src, (size_t)mg_row_bytes(st, n));
+        else if (dt == MG_F32 && dnb == 4) mg_to_f32_row(st, src, (float *)dst, n);
+        else if (st == MG_F32) mg_from_f32_row(dt, src, snb, dst, n);
+        return;
+    }
+    if (st == MG_BF16 || dt == MG_BF16) {   /* bf16 <-> f32 (and bf16 -> bf16 below) */
+        if (st == MG_BF16 && dt == MG_F32) { CONV_LOOP(float, uint16_t, mg_bf16_to_fp32(x)); return; }
+        if (st == MG_F32 && dt == MG_BF16) { CONV_LOOP(uint16_t, float, mg_fp32_to_bf16(x)); return; }
+    }
     if (dt == st) {
         int es = mg_type_size(dt);
         if (dnb == es && snb == es) { memcpy(dst, src, (size_t)(n * es)); return; }
@@ -98,6 +110,19 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
     const int64_t nel = mg_nelements(d);
     const int same_shape = a->ne[0] == d->ne[0] && a->ne[1] == d->ne[1] && a->ne[2] == d->ne[2] && a->ne[3] == d->ne[3];
 
+    if (mg_blck_size(st) > 1 || mg_blck_size(dt) > 1) {
+        /* to or from blocks: the shape rules give whole-block source rows and a contiguous
+         * destination, so source row r starts at value r * ne00 of the destination */
+        int64_t r0, r1;
+        mg_split(mg_nrows(a), ith, nth, &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t i1, i2, i3;
+            mg_row_coords(a, r, &i1, &i2, &i3);
+            const int64_t off = (r * a->ne[0]) / mg_blck_size(dt) * mg_type_size(dt);
+            mg_convert_row(d->data + off, mg_type_size(dt), dt, mg_ptr(a, 0, i1, i2, i3), a->nb[0], st, a->ne[0]);
+        }
+        return;
+    }
     if (mg_is_contiguous(a) && mg_is_contiguous(d)) {
         /* one flat range, split across threads */
         int64_t r0, r1;

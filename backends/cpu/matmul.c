@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "mg.h"
+#include "quant.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -441,6 +442,7 @@ static void direct_block(const mg_tensor *a, const mg_tensor *b, const mg_tensor
 
 /* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense */
 void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
+    if (n->src[0].type != MG_F32) { mg_mul_mat_blocks(n, ith, nth); return; }   /* quant_matmul.c */
     const mg_tensor *a = &n->src[0];
     const mg_tensor *b = &n->src[1];
     const mg_tensor *d = &n->dst;

@@ -121,7 +121,7 @@ int mg_thread_limit(void) { return MAX_THREADS; }
 static int64_t tensor_bytes(const mg_tensor *t) {
     if (t->data == NULL) return 0;
     int64_t n = mg_nelements(t);
-    return n > 0 ? n * mg_type_size(t->type) : 0;
+    return n > 0 ? n / mg_blck_size(t->type) * mg_type_size(t->type) : 0;
 }
 
 /* the work of a node in bytes-equivalent: bytes read and written, plus one per multiply-add of
