@@ -129,6 +129,10 @@ def test_the_delta_net_layer_needs_equal_head_dims_and_sequences():
 # -- thread counts and memory --------------------------------------------------------------------
 def test_more_threads_than_cores_on_the_command_line_is_one_warning_line(capsys, monkeypatch):
     import os
+
+    import minigraph.backends.cpu as cpu_backend
+    # the warning comes once per process: another test may already have had it
+    monkeypatch.setattr(cpu_backend, "_oversubscribed_warned", False)
     n = len(os.sched_getaffinity(0)) + 1
     code, err = run_cli(capsys, monkeypatch, "run", "toy", "--steps", "1", "--threads", str(n))
     mg.backend("cpu").set_n_threads(1)
