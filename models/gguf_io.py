@@ -483,8 +483,17 @@ def load_gguf(path, devices=None):
         ne = tuple(int(x) for x in rt.shape)
         if ne + (1,) * (4 - len(ne)) != t.ne:
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
-    for name, t in want.items():
-        t.set(np.ascontiguousarray(found[name].data, dtype=np.float32).reshape(t.shape))
+    # read with plain file reads, one tensor at a time, not through the reader's memory map: the
+    # map's touched pages would count in this process's resident memory beside the device copy
+    with open(path, "rb") as f:
+        for name, t in want.items():
+            rt = found[name]
+            f.seek(int(rt.data_offset))
+            arr = np.fromfile(f, dtype=np.float32, count=int(rt.n_elements))
+            if arr.size != int(rt.n_elements):
+                raise GGUFError(f"{path}: tensor {name} is cut short ({arr.size} of {int(rt.n_elements)} values)")
+            t.set(arr.reshape(t.shape))
+            del arr
     model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
 
