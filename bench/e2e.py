@@ -154,41 +154,59 @@ class LlamaEngine:
         self.ll.close()
 
 
-def run_phase(eng, phase: str, quick: bool, reps: int, collect: bool):
-    """(seconds per repetition, tokens per repetition, checked outputs of the first repetition)."""
-    import numpy as np
-    sh = phase_shape(phase, quick)
-    n_seqs, n_tok, steps = sh["n_seqs"], sh["n_tok"], sh["steps"]
-    outs, times = [], []
-    if not sh["decode"]:
-        toks = tokens_for(phase, eng.n_vocab, n_seqs, n_tok, 0)
+class PhaseRun:
+    """One phase on one engine: warm() makes the graphs and returns the outputs that are checked,
+    rep(i) runs timed repetition i and returns its seconds; `tokens` per repetition."""
+
+    def __init__(self, eng, phase: str, quick: bool):
+        self.eng, self.phase, self.quick = eng, phase, quick
+        self.sh = sh = phase_shape(phase, quick)
+        self.tokens = sh["n_seqs"] * (sh["n_tok"] if not sh["decode"] else sh["steps"])
+
+    def warm(self) -> list:
+        import numpy as np
+        eng, phase, sh = self.eng, self.phase, self.sh
         eng.clear()
-        outs.append(eng.decode(toks))                  # warm: graph build, plans, first touches
-        for _ in range(reps):
+        if not sh["decode"]:
+            outs = [eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], sh["n_tok"], 0))]
+        else:
+            outs = [eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], PROMPT, 0)),
+                    eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], 1, 1))]      # the 1-token graph
+            outs += [eng.decode(t) for t in self._steps(0)]                              # and rep 0's tokens
+        return [{s: np.asarray(v, np.float32) for s, v in o.items()} for o in outs]
+
+    def _steps(self, rep: int) -> list:
+        sh = self.sh
+        return [tokens_for(self.phase, self.eng.n_vocab, sh["n_seqs"], 1, 2 + rep * sh["steps"] + i)
+                for i in range(sh["steps"])]
+
+    def rep(self, i: int) -> float:
+        eng, sh = self.eng, self.sh
+        if not sh["decode"]:
+            toks = tokens_for(self.phase, eng.n_vocab, sh["n_seqs"], sh["n_tok"], 0)
             eng.clear()
             t0 = time.perf_counter()
             eng.decode(toks)
-            times.append(time.perf_counter() - t0)
-        return times, n_seqs * n_tok, outs
-    eng.clear()
-    outs.append(eng.decode(tokens_for(phase, eng.n_vocab, n_seqs, PROMPT, 0)))
-    outs.append(eng.decode(tokens_for(phase, eng.n_vocab, n_seqs, 1, 1)))           # warm: the 1-token graph
-    for rep in range(reps):
-        step_toks = [tokens_for(phase, eng.n_vocab, n_seqs, 1, 2 + rep * steps + i) for i in range(steps)]
+            return time.perf_counter() - t0
+        steps = self._steps(i + 1)
         t0 = time.perf_counter()
-        for toks in step_toks:
-            o = eng.decode(toks)
-            if collect and rep == 0:
-                outs.append(o)
-        times.append(time.perf_counter() - t0)
-    return times, n_seqs * steps, [{s: np.asarray(v, np.float32) for s, v in o.items()} for o in outs]
+        for toks in steps:
+            eng.decode(toks)
+        return time.perf_counter() - t0
+
+
+def run_phase(eng, phase: str, quick: bool, reps: int):
+    """Warm, then reps timed repetitions: (seconds per repetition, tokens per repetition, outputs)."""
+    run = PhaseRun(eng, phase, quick)
+    outs = run.warm()
+    return [run.rep(i) for i in range(reps)], run.tokens, outs
 
 
 def n_ctx_for(phase: str, quick: bool, reps: int) -> int:
     """Context cells per engine: every token a sequence will hold in the phase (llama.cpp splits
     n_ctx over n_seq_max sequences: n_ctx is that times n_seqs)."""
     sh = phase_shape(phase, quick)
-    per_seq = sh["n_tok"] if not sh["decode"] else PROMPT + 1 + sh["steps"] * (reps + 1)
+    per_seq = sh["n_tok"] if not sh["decode"] else PROMPT + 1 + sh["steps"] * (reps + 2)
     per_seq = -(-(per_seq + 16) // 256) * 256
     return per_seq * sh["n_seqs"]
 
@@ -317,7 +335,7 @@ def profile_llama(path, n_threads, n_seqs, n_ctx, phase, quick):
     cfun = L.ggml_backend_sched_eval_callback(cb)
     eng = LlamaEngine(path, n_threads, n_seqs, n_ctx, eval_cb=cfun)
     try:
-        run_phase(eng, phase, quick, 1, collect=False)          # warm, and the decode phases' prompt
+        run_phase(eng, phase, quick, 1)                 # warm, and the decode phases' prompt
         calls = profiled_calls(eng, phase, quick)
         on[0] = True
         for toks in calls:
@@ -329,8 +347,14 @@ def profile_llama(path, n_threads, n_seqs, n_ctx, phase, quick):
         eng.close()
 
 
-def worker(cfg: dict) -> dict:
+def worker(cfg: dict, out_path: str) -> int:
+    """One engine on one row, driven by the parent over stdin/stdout (one line each way):
+    'ready' once warm, then 'rep I' -> seconds, until 'done'; then the peak RSS, the checked
+    outputs and the profiles are pickled to out_path."""
+    import pickle
     import resource
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                  # whatever the engines print goes to stderr, not into the channel
     engine, path, phase, nt, reps, quick = (cfg["engine"], cfg["path"], cfg["phase"], cfg["threads"], cfg["reps"],
                                             cfg["quick"])
     sh = phase_shape(phase, quick)
@@ -338,9 +362,18 @@ def worker(cfg: dict) -> dict:
     t0 = time.perf_counter()
     eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
     load_s = time.perf_counter() - t0
-    times, ntok, outs = run_phase(eng, phase, quick, reps, collect=True)
+    run = PhaseRun(eng, phase, quick)
+    outs = run.warm()
+    print("ready", file=reply, flush=True)
+    times = []
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "done":
+            break
+        times.append(run.rep(int(cmd[1])))
+        print(f"{times[-1]!r}", file=reply, flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    res = dict(times=times, tokens=ntok, rss=rss, load_s=load_s, outs=outs)
+    res = dict(times=times, tokens=run.tokens, rss=rss, load_s=load_s, outs=outs)
     if cfg.get("profile"):
         try:
             if engine == "minigraph":
@@ -350,32 +383,105 @@ def worker(cfg: dict) -> dict:
                 res["ops"] = profile_llama(path, nt, sh["n_seqs"], n_ctx, phase, quick)
         except Exception as e:                      # a profile is extra: say why it is missing
             res["profile_error"] = f"{type(e).__name__}: {e}"
-    return res
+    with open(out_path, "wb") as f:
+        pickle.dump(res, f)
+    return 0
 
 
-def run_worker(cfg: dict, timeout: float) -> dict:
-    """One row on one engine in a fresh interpreter; {'error': one line} when it fails."""
-    import pickle
-    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
-        out = f.name
-    try:
+class Worker:
+    """A worker process for one engine on one row (see worker())."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        fd, self.out = tempfile.mkstemp(suffix=".pkl")
+        os.close(fd)
+        self.err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg), out],
-                           capture_output=True, text=True, timeout=timeout, env=env)
-        if p.returncode != 0:
-            lines = [s for s in (p.stderr.strip() or p.stdout.strip() or f"status {p.returncode}").splitlines()
-                     if s.strip()]
-            marked = [s for s in lines if "GGML_ASSERT" in s or "Error" in s]
-            return {"error": (marked or lines)[-1].strip()}
-        with open(out, "rb") as f:
-            return pickle.load(f)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    finally:
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg), self.out],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
+
+    def why(self) -> str:
+        """The worker's last words (an assertion, an exception) when it died."""
+        self.p.wait()
+        self.err.seek(0)
+        lines = [s for s in self.err.read().splitlines() if s.strip()]
+        marked = [s for s in lines if "GGML_ASSERT" in s or "Error" in s]
+        return ((marked or lines or [f"exit status {self.p.returncode}"])[-1]).strip()
+
+    def ask(self, line):
+        """Send a line (None: nothing) and read the answer; RuntimeError with the reason if it died."""
         try:
-            os.unlink(out)
+            if line is not None:
+                self.p.stdin.write(line + "\n")
+                self.p.stdin.flush()
+            ans = self.p.stdout.readline()
+        except (BrokenPipeError, OSError):
+            ans = ""
+        if not ans:
+            raise RuntimeError(self.why())
+        return ans.strip()
+
+    def finish(self) -> dict:
+        import pickle
+        try:
+            self.p.stdin.write("done\n")
+            self.p.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        if self.p.wait() != 0:
+            raise RuntimeError(self.why())
+        with open(self.out, "rb") as f:
+            return pickle.load(f)
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        for f in (self.p.stdout, self.p.stdin):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+        self.err.close()
+        try:
+            os.unlink(self.out)
         except OSError:
             pass
+
+
+def run_row(cfg: dict, reps: int, timeout: float) -> dict:
+    """Both engines on one row, each in its own process (loaded and warmed at the same time),
+    their timed repetitions alternating (the engine that goes first alternates too), so a change
+    in the machine's load falls on both alike. {engine: result or {'error': one line}}."""
+    import threading
+    engines = ("llama", "minigraph")
+    ws = {e: Worker(dict(cfg, engine=e)) for e in engines}
+    timer = threading.Timer(timeout, lambda: [w.p.kill() for w in ws.values()])
+    timer.start()
+    res = {}
+    try:
+        for e, w in ws.items():
+            try:
+                w.ask(None)                              # 'ready'
+            except RuntimeError as err:
+                res[e] = {"error": str(err)}
+        for i in range(reps if not res else 0):
+            for e in (engines if i % 2 == 0 else engines[::-1]):
+                float(ws[e].ask(f"rep {i}"))
+        for e, w in ws.items():                          # one at a time: the profiles time alone
+            if e not in res:
+                try:
+                    res[e] = w.finish()
+                except RuntimeError as err:
+                    res[e] = {"error": str(err)}
+    except (RuntimeError, ValueError) as err:
+        for e in engines:
+            res.setdefault(e, {"error": str(err)})
+    finally:
+        timer.cancel()
+        for w in ws.values():
+            w.close()
+    return res
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -448,11 +554,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT) if ROOT not in sys.path else None
     if args.worker:
-        import pickle
-        res = worker(json.loads(args.worker[0]))
-        with open(args.worker[1], "wb") as f:
-            pickle.dump(res, f)
-        return 0
+        return worker(json.loads(args.worker[0]), args.worker[1])
     models = [m for m in args.models.split(",") if m]
     phases = [p for p in args.phases.split(",") if p]
     bad = [m for m in models if m not in MODELS] + [p for p in phases if p not in PHASES]
@@ -503,8 +605,7 @@ def main(argv=None) -> int:
             for nt in threads:
                 cfg = dict(path=path, phase=phase, threads=nt, reps=reps, quick=args.quick,
                            profile=profile and nt == 1)
-                timeout = 120 if args.quick else 1800
-                res = {e: run_worker(dict(cfg, engine=e), timeout) for e in ("llama", "minigraph")}
+                res = run_row(cfg, reps, 120 if args.quick else 1800)
                 load = loadavg().split()[0]
                 errs = [f"{e}: {r['error']}" for e, r in res.items() if "error" in r]
                 if errs:
