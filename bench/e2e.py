@@ -117,7 +117,9 @@ class MinigraphEngine:
         be.set_n_threads(n_threads)
         self.model = load_gguf(path, devices=be)
         self.n_vocab = self.model.n_vocab
-        self.runner = Runner(self.model, mem_size=n_seqs, n_rs_seq=0, n_ubatch=512, reuse=True, kv_size=n_ctx)
+        # n_kv padded to 256 cells as llama.cpp pads it (fewer graph rebuilds as the cache fills)
+        self.runner = Runner(self.model, mem_size=n_seqs, n_rs_seq=0, n_ubatch=512, reuse=True, kv_size=n_ctx,
+                             kv_pad=min(256, n_ctx))
 
     def clear(self):
         self.runner.memory.clear(data=False)

@@ -116,7 +116,7 @@ def node_by_node(res: GraphResult) -> list:
 DEFAULT_KV_SIZE = 256
 
 
-def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None):
+def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None, kv_pad: int | None = None):
     """The model's memory: a RecurrentMemory, or for a model with attention layers a HybridMemory
     (its recurrent layers in a RecurrentMemory of mem_size cells, its attention layers in a KV
     cache of kv_size cells), each layer's tensors on that layer's device."""
@@ -126,15 +126,17 @@ def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None)
                           {il: model.layer_devices[il] for il in rec_layers})
     if not attn:
         return rec
+    pad = {} if kv_pad is None else {"n_pad": kv_pad}       # KVCache's own default otherwise
     kv = KVCache(attn, model.n_embd_k_gqa, model.n_embd_v_gqa, kv_size or DEFAULT_KV_SIZE,
-                 {il: model.layer_devices[il] for il in attn}, n_seq_max=mem_size)
+                 {il: model.layer_devices[il] for il in attn}, n_seq_max=mem_size, **pad)
     return HybridMemory(rec, kv)
 
 
 class Runner:
     def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
                  slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
-                 validate: bool | None = None, atomic: bool | str = True, kv_size: int | None = None):
+                 validate: bool | None = None, atomic: bool | str = True, kv_size: int | None = None,
+                 kv_pad: int | None = None):
         if slot_order not in SLOT_ORDERS:
             raise ValueError(f"unknown slot order {slot_order!r}; choose one of {SLOT_ORDERS}")
         self.model = model
@@ -145,8 +147,10 @@ class Runner:
         self.n_ubatch = n_ubatch
         self.slot_order = slot_order
         self.backends = list(backends) if backends else default_backends(model)
-        # kv_size: cells of the KV cache of a model with attention layers (ignored otherwise)
-        self.memory = make_memory(model, mem_size, self.n_rs_seq, kv_size)
+        # kv_size: cells of the KV cache of a model with attention layers (ignored otherwise);
+        # kv_pad: the attended cells n_kv are a multiple of it (a graph is rebuilt when n_kv grows;
+        # llama.cpp pads to 256, KVCache's default is small for the small test caches)
+        self.memory = make_memory(model, mem_size, self.n_rs_seq, kv_size, kv_pad)
         self.reuse = env.get("MINIGRAPH_GRAPH_REUSE") if reuse is None else reuse
         self.validate = env.get("MINIGRAPH_GRAPH_REUSE_CHECK") if validate is None else validate
         self.atomic = atomic_mode(atomic)
