@@ -676,8 +676,13 @@ SECTION_END = "<!-- bench/e2e.py --write: end -->"
 def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
     """Replace this script's section of bench/RESULTS.md (between the markers), or append it."""
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        commit = "?"
     block = (f"{SECTION_BEGIN}\n# Whole models against llama.cpp on the same GGUF files (bench/e2e.py)\n\n"
-             f"`{cmd.strip()}`\n\n```\n{text.strip()}\n```\n{SECTION_END}\n")
+             f"`{cmd.strip()}` at commit {commit}\n\n```\n{text.strip()}\n```\n{SECTION_END}\n")
     try:
         with open(path) as f:
             doc = f.read()
