@@ -669,28 +669,31 @@ def print_profile(say, name, phase, nt, res):
     say(f"    {'sum':18s} {sum(mo.values()) * 1e3:10.3f} {sum(lo_.values()) * 1e3:10.3f}")
 
 
-SECTION_BEGIN = "<!-- bench/e2e.py --write: begin (this section is rewritten by the script) -->"
-SECTION_END = "<!-- bench/e2e.py --write: end -->"
+SECTION_BEGIN = "<!-- bench/e2e.py --write{key}: begin (this section is rewritten by the script) -->"
+SECTION_END = "<!-- bench/e2e.py --write{key}: end -->"
 
 
 def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
-    """Replace this script's section of bench/RESULTS.md (between the markers), or append it."""
+    """Replace this script's section for these models of bench/RESULTS.md (between the markers),
+    or append it: runs of other model sets keep their own sections."""
+    key = f" ({getattr(args, 'models', '')})" if getattr(args, "models", "") else ""
+    begin, end = SECTION_BEGIN.format(key=key), SECTION_END.format(key=key)
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
     try:
         commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10).stdout.strip() or "?"
     except (OSError, subprocess.TimeoutExpired):
         commit = "?"
-    block = (f"{SECTION_BEGIN}\n# Whole models against llama.cpp on the same GGUF files (bench/e2e.py)\n\n"
-             f"`{cmd.strip()}` at commit {commit}\n\n```\n{text.strip()}\n```\n{SECTION_END}\n")
+    block = (f"{begin}\n# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
+             f"`{cmd.strip()}` at commit {commit}\n\n```\n{text.strip()}\n```\n{end}\n")
     try:
         with open(path) as f:
             doc = f.read()
     except FileNotFoundError:
         doc = ""
-    if SECTION_BEGIN in doc and SECTION_END in doc:
-        a = doc.index(SECTION_BEGIN)
-        b = doc.index(SECTION_END) + len(SECTION_END)
+    if begin in doc and end in doc:
+        a = doc.index(begin)
+        b = doc.index(end) + len(end)
         if doc[b:b + 1] == "\n":
             b += 1
         doc = doc[:a] + block + doc[b:]

@@ -47,16 +47,21 @@ def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
 
 
 def test_write_replaces_only_its_section(e2e, tmp_path):
+    """One section per model set: a second run of the same set replaces its own, another set adds one."""
     p = tmp_path / "RESULTS.md"
     p.write_text("# Op benchmarks\nprose\n")
 
     class Args:
-        pass
+        models = "mamba2"
     e2e.write_results("first", Args(), str(p))
     e2e.write_results("second", Args(), str(p))
+    Args.models = "lfm2"
+    e2e.write_results("third", Args(), str(p))
     doc = p.read_text()
     assert doc.startswith("# Op benchmarks\nprose\n")
-    assert doc.count(e2e.SECTION_BEGIN) == 1 and "second" in doc and "first" not in doc
+    assert doc.count(e2e.SECTION_BEGIN.format(key=" (mamba2)")) == 1 and doc.count(e2e.SECTION_END.format(key=" (lfm2)")) == 1
+    assert "second" in doc and "third" in doc and "first" not in doc
+    assert doc.index("second") < doc.index("third")
 
 
 def test_bad_flags_are_one_line(tmp_path):
