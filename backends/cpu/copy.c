@@ -194,6 +194,15 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
 }
 
 /* CONCAT along ip[0]: a [ne00..] and b [ne10..], any strides, same type -> dst contiguous */
+static inline void concat_row4(char *restrict dst, const char *restrict src, int64_t snb, int64_t n) {
+    if (snb == 4 && n > 16) {
+        memcpy(dst, src, (size_t)(n * 4));
+        return;
+    }
+    for (int64_t k = 0; k < n; k++)
+        memcpy(dst + k * 4, src + k * snb, 4);
+}
+
 void mg_k_concat(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *b = &n->src[1];
@@ -206,7 +215,12 @@ void mg_k_concat(const mg_node *n, int ith, int nth) {
         int64_t i[4];
         mg_row_coords(d, r, &i[1], &i[2], &i[3]);
         char *drow = mg_ptr(d, 0, i[1], i[2], i[3]);
-        if (dim == 0) {
+        if (dim == 0 && mg_type_size(t) == 4 && d->nb[0] == 4) {
+            /* 4-byte elements into a dense row, inline: the conv inputs of a decode step are many
+             * rows of a few elements (d_conv - 1 of history + 1), where a call per row dominated */
+            concat_row4(drow, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], a->ne[0]);
+            concat_row4(drow + a->ne[0] * 4, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], b->ne[0]);
+        } else if (dim == 0) {
             mg_convert_row(drow, d->nb[0], t, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], t, a->ne[0]);
             mg_convert_row(drow + a->ne[0] * d->nb[0], d->nb[0], t, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], t, b->ne[0]);
         } else if (i[dim] < a->ne[dim]) {
