@@ -9,6 +9,9 @@ sequences x 32 tokens per step, n_ubatch 64: one ubatch) and decode (1 token per
 2 sequences) through `models.runner.Runner` (n_rs_seq 3, atomic=False as in bench/reuse.py), graph
 reuse on and off, 1 and 2 threads; runners alternate, medians of repetitions.
 
+Then, where the `llama` extra is installed, bench/ggml_models.py in a process of its own: the same
+models on the ggml backend (`ggml:cpu`) and over two loopback RPC servers, beside `cpu`.
+
 Layer graphs (mamba2, delta-net; `models.standalone.layer_built` at the tiny models' sizes, n_rs_seq
 3, 2 sequences): decode shape (T = 1) and prefill shape (T = 32; the full run adds T = 64). Each
 graph is built once on each side; minigraph is timed through `CpuBackend.graph_compute(gf)` on the
@@ -27,6 +30,7 @@ import importlib.util
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -339,6 +343,11 @@ def main(argv=None):
             for (phase, reuse), (tps, t, nb, nr) in res.items():
                 print(f"{name:10s} {phase:8s} {nt:3d} {'on' if reuse else 'off':>5s} {tps:9.0f} "
                       f"{t * 1e3:9.3f} {nb:6d} {nr:6d} {_other(other)}", flush=True)
+
+    if not over_budget() and importlib.util.find_spec("llama_cpp") is not None:
+        # the ggml backend (llama.cpp's ggml) in a process of its own: this one holds libggml-python
+        print(flush=True)
+        subprocess.call([sys.executable, os.path.join(HERE, "ggml_models.py")] + (["--quick"] if args.quick else []))
 
     if go is None:
         print(f"\nggml not available ({bench_ops.GGML_ERROR}); no layer-graph comparison")

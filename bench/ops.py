@@ -5,6 +5,8 @@ in the same process, alternating, medians of repetitions.
     python bench/ops.py --quick          # fewer repetitions
     python bench/ops.py --contention     # the contention rows only
     python bench/ops.py --quick --write  # also (re)write this script's section of bench/RESULTS.md
+    python bench/ops.py --filter weights --write   # the half / block-type matrix x vector rows
+                                                   # only, in a section of their own
 
 Prints one line per (op, shape, threads) with times and the ratios ggml/minigraph and
 numpy/minigraph (> 1: minigraph is faster). Then the contention rows: the same rows again while
@@ -16,7 +18,8 @@ own 1-thread time. The last lines are
     min ratio ggml/minigraph: R (...)          (over the quiet rows)
 minigraph is timed through `backend.graph_compute(gf)` on a graph whose plan is cached (the
 Python entry cost included); ggml through `ggml_graph_compute` on a prebuilt graph and cplan with
-a persistent threadpool; NumPy as one idiomatic expression (BLAS threading is its own).
+a persistent threadpool; NumPy as one idiomatic expression, its OpenBLAS limited to the row's T threads
+(when the setter is found; the table header says which).
 """
 from __future__ import annotations
 
@@ -129,6 +132,33 @@ def mul_mat_case(n, k=4096, m=4096):
     return "MUL_MAT", f"{m}x{k} by {k}x{n}", build, numpy_fn, moved
 
 
+def mul_mat_weights_case(t, n=1, k=4096, m=4096):
+    """matrix x vector with half / block-type weights (the decode step of a quantized model):
+    ggml converts the f32 vector to the weights' vec_dot_type, then integer dot products per
+    block; the weights are ggml-quantized random normals. NumPy multiplies the dequantized
+    matrix (converted once, outside the timing)."""
+    def weights(rng):
+        w = rng.standard_normal((m, k)).astype(np.float32)
+        return w.astype(np.float16) if t == mg.f16 else np.asarray(mg.quantize(w, t)).view(t.np_dtype).reshape(m, -1)
+
+    def build(rng, b):
+        return mg.mul_mat(b.leaf(t, (k, m), data=weights(rng)), b.leaf(mg.f32, (k, n), rng=rng))
+
+    deq = {}
+
+    def numpy_fn(arrs):
+        if "w" not in deq:   # converted once, on the first (warm-up) call
+            w = arrs[0]
+            deq["w"] = (w.astype(np.float32) if t == mg.f16 else
+                        mg.dequantize(np.ascontiguousarray(w).view(np.uint8), t)).reshape(m, k)
+        return arrs[1].reshape(n, k) @ deq["w"].T
+    moved = m * t.row_size(k) + (k + m) * n * 4
+    return "MUL_MAT", f"{t.name} weights {m}x{k} by {k}x{n}", build, numpy_fn, moved
+
+
+QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16")
+
+
 def unary_case(op, ne0=4096, ne1=64):
     """the exp-based unary ops (vectorised exp) on 1 MiB of f32"""
     fn = {"EXP": mg.exp, "SIGMOID": mg.sigmoid, "SILU": mg.silu, "SOFTPLUS": mg.softplus}[op]
@@ -161,6 +191,8 @@ def all_cases(quick):
     cases.append(cont_t_case())
     for n in (1, 8, 512):
         cases.append(mul_mat_case(n))
+    for name in QUANT_TYPES:
+        cases.append(mul_mat_weights_case(getattr(mg, name)))
     return cases
 
 
@@ -248,10 +280,46 @@ class GgmlRunner:
             self.ctx = None
 
 
+def _openblas_thread_setter():
+    """NumPy's OpenBLAS thread-count setter (ctypes), or None: found among the libraries this
+    process has loaded, under the names the scipy-openblas wheels and plain builds export."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[5] for ln in f if len(ln.split()) > 5 and "openblas" in ln.split()[5].lower()})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                return fn
+    return None
+
+
+np.ones((64, 64), np.float32) @ np.ones((64, 64), np.float32)   # loads NumPy's BLAS
+SET_BLAS_THREADS = _openblas_thread_setter()
+
+
+def numpy_threads(n: int) -> str:
+    """Let NumPy's BLAS use n threads (the row's T), so that a T-thread row compares like with like."""
+    if SET_BLAS_THREADS is None:
+        return "NumPy's BLAS threads: its own (no OpenBLAS setter found)"
+    SET_BLAS_THREADS(n)
+    return "NumPy's BLAS threads: T (set per row)"
+
+
 def bench_case(case, n_threads, reps, min_time):
     op, shape, build, numpy_fn, _ = case
     m = MgRunner(build, n_threads)
     arrs = [m.b.data[t].copy() for t in m.b.data]
+    numpy_threads(n_threads)
     runners = {"minigraph": m, "numpy": lambda: numpy_fn(arrs)}
     gg = None
     if go is not None:
@@ -423,9 +491,19 @@ SECTION_BEGIN = "<!-- bench/ops.py --write: begin (this section is rewritten by 
 SECTION_END = "<!-- bench/ops.py --write: end -->"
 
 
-def write_results(text: str, path=os.path.join(ROOT, "bench", "RESULTS.md")):
+def section_markers(filter_: str = "") -> tuple:
+    """The markers of the section a run writes: a filtered run (say --filter weights) has its
+    own section, so it never replaces the full run's rows."""
+    if not filter_:
+        return SECTION_BEGIN, SECTION_END
+    tag = f"bench/ops.py --write --filter {filter_}"
+    return (f"<!-- {tag}: begin (this section is rewritten by the script) -->", f"<!-- {tag}: end -->")
+
+
+def write_results(text: str, path=os.path.join(ROOT, "bench", "RESULTS.md"), filter_: str = ""):
     """Replace this script's section of bench/RESULTS.md (between the markers), or insert it
     before the model benchmarks (appended when that heading is absent)."""
+    SECTION_BEGIN, SECTION_END = section_markers(filter_)
     block = f"{SECTION_BEGIN}\n{text.rstrip()}\n{SECTION_END}\n"
     try:
         with open(path) as f:
@@ -491,7 +569,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma separated")
-    ap.add_argument("--filter", default="", help="only ops whose name contains this")
+    ap.add_argument("--filter", default="",
+                    help="only rows whose op name or shape label contains this (case-insensitive), e.g. "
+                         "'weights' for the half / block-type matrix x vector rows")
     ap.add_argument("--contention", action="store_true", help="only the contention rows")
     ap.add_argument("--no-contention", action="store_true", help="skip the contention rows")
     ap.add_argument("--write", action="store_true",
@@ -511,13 +591,14 @@ def main(argv=None):
         return args.budget > 0 and time.time() - t_start > args.budget
     if go is None:
         print(f"ggml not available ({GGML_ERROR}); ratios against ggml are omitted")
-    cases = [c for c in all_cases(args.quick) if not args.filter or args.filter.upper() in c[0]]
+    cases = [c for c in all_cases(args.quick) if not args.filter or args.filter.upper() in f"{c[0]} {c[1]}".upper()]
     out = []      # the quiet table's lines
     worst = None
     gemm = None
+    weights = {}  # (weight type, threads) -> ggml/minigraph of the matrix x vector rows
     if not args.contention:
         bw = copy_bandwidth()
-        out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
+        out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {numpy_threads(1)}")
         out.append(f"{'op':9s} {'shape':48s} {'T':>2s} {'minigraph':>11s} {'ggml':>11s} {'numpy':>11s} "
                    f"{'ggml/mg':>8s} {'np/mg':>8s} {'GB/s':>6s} {'%copy':>6s}")
         print(out[0])
@@ -540,6 +621,8 @@ def main(argv=None):
                 out.append(line)
                 if g and (worst is None or rg < worst[0]):
                     worst = (rg, case[0], case[1], nt)
+                if g and " weights " in case[1]:
+                    weights[(case[1].split()[0], nt)] = rg
                 if case[0] == "MUL_MAT" and case[1] == "4096x4096 by 4096x512" and (gemm is None or nt >= gemm[1]):
                     gemm = (rn, nt)
         if not args.filter and not over_budget():
@@ -571,6 +654,10 @@ def main(argv=None):
             tail.append("contention: worst 2-thread/1-thread ratio: n/a (one thread count only)")
         else:
             tail.append("contention: worst 2-thread/1-thread ratio: n/a (no contention row within the budget)")
+    if weights:
+        tail.append("weights 4096x4096 x vector, ggml/minigraph (target >= 1.0 for q8_0, q4_0, q4_k): " +
+                    "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in weights.items() if ty2 == ty)
+                              for ty in dict.fromkeys(ty for ty, _ in weights)))
     if worst:
         tail.append(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
     elif not args.contention:
@@ -584,10 +671,17 @@ def main(argv=None):
                                  text=True, timeout=10).stdout.strip() or "unknown"
         except Exception:  # pragma: no cover - no git
             rev = "unknown"
-        text = ["## Op rows, script-written (`bench/ops.py --write`)", "",
+        title = "## Op rows, script-written (`bench/ops.py --write`)" if not args.filter else \
+            f"## Op rows matching '{args.filter}', script-written (`bench/ops.py --write --filter {args.filter}`)"
+        text = [title, "",
                 f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
                 f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
                 f"this machine, not counting the benchmark's own busy process).", ""]
+        cores = len(os.sched_getaffinity(0))
+        if max(os.getloadavg()[0], float(machine0.rsplit("load average ", 1)[1].split(",")[0])) > cores:
+            text += [f"The machine was shared and loaded during this run (a load average above its {cores} cores: "
+                     f"other processes held cores), so absolute times are inflated and noisy; the ratios, "
+                     f"measured alternately in one process, are the figures to compare.", ""]
         if out:
             text += ["Rows without the benchmark's busy process (medians of alternating repetitions; the "
                      "machine's other load is whatever the load average says):", "", "```", *out, "```", ""]
@@ -596,7 +690,7 @@ def main(argv=None):
                      "percentiles; T/1T = minigraph's median against its own 1-thread median):", "",
                      "```", *cont_lines, "```", ""]
         text += ["```", *tail, "```"]
-        write_results("\n".join(text))
+        write_results("\n".join(text), filter_=args.filter)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ did have their memory handed to a later node: after a compute their bytes are go
 Tensor.numpy() refuses to read them."""
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -19,6 +20,52 @@ ALIGN = 64
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def available_bytes() -> tuple[int | None, str]:
+    """(bytes, where the figure came from): MemAvailable + SwapFree from /proc/meminfo, else the
+    free physical pages from os.sysconf; (None, why) when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[1:]}
+        if "MemAvailable" in fields:
+            return (fields["MemAvailable"] + fields.get("SwapFree", 0),
+                    "available memory (MemAvailable + SwapFree in /proc/meminfo)")
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free memory (os.sysconf)"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def allocation_error(nbytes: int, device: str, tensors=(), limit: str = "") -> MemoryError:
+    """The one-line MemoryError for a buffer that cannot be had: the size, the device and the
+    tensor(s) it was for (the largest named first), and the limit it ran into."""
+    ts = sorted(tensors, key=lambda t: -t.nbytes())
+    what = ""
+    if ts:
+        big = ts[0]
+        what = f" for tensor {big.label} ({big.type.name} {list(big.ne)}, {human_bytes(big.nbytes())}"
+        what += f", the largest of {len(ts)})" if len(ts) > 1 else ")"
+    return MemoryError(f"cannot allocate {human_bytes(nbytes)} ({nbytes} bytes) on {device}{what}: "
+                       f"{limit or 'the allocator refused'}; nothing was allocated or written")
+
+
+def check_host_allocation(nbytes: int, device: str, tensors=()) -> None:
+    """Refuse, before any memory is touched, a host buffer larger than the memory the machine
+    can still give: the kernel would either refuse it or grant it lazily and kill the process
+    (the OOM killer) once it is written."""
+    avail, source = available_bytes()
+    if avail is not None and nbytes > avail:
+        raise allocation_error(nbytes, device, tensors, f"more than the {source} of {human_bytes(avail)}")
 
 
 def needs_memory(node: Tensor) -> bool:

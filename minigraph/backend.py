@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from .alloc import output_ids, plan_graph
+from .alloc import allocation_error, check_host_allocation, output_ids, plan_graph
 from .errors import OpError
 from .registry import OPS, writes_through
 from .sources import reading
@@ -58,7 +58,9 @@ class Backend:
     wide_types: frozenset = frozenset()
 
     # -- memory ---------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        """A buffer of nbytes; ``tensors`` (what it is for) name the culprit in the MemoryError
+        raised, before anything is written, when the memory cannot be had."""
         raise NotImplementedError
 
     def write_tensor(self, t: Tensor, array: np.ndarray):
@@ -114,7 +116,7 @@ class Backend:
                 entry[3] = output_epoch()
         if entry is None:
             plan = plan_graph(nodes, guard=self.guard, keep=keep)
-            buf = self.alloc_buffer(plan.size, "compute")
+            buf = self.alloc_buffer(plan.size, "compute", plan.tensors)
             if self.guard:
                 self.fill_guards(buf, plan)
             entry = gf.cache[key] = [plan, buf, -1, output_epoch()]
@@ -160,10 +162,14 @@ class Backend:
 class HostBackend(Backend):
     """A backend whose memory is host RAM (ref, cpu:N): NumPy arrays of bytes."""
 
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        check_host_allocation(nbytes, self.name, tensors)
         # 64-byte aligned like ggml's buffers: the planner's 64-byte offsets then land on cache
         # lines, which the CPU kernels' aligned and streaming stores rely on for speed
-        raw = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        try:
+            raw = np.zeros(max(nbytes, 1) + 64, np.uint8)
+        except MemoryError:
+            raise allocation_error(nbytes, self.name, tensors) from None
         start = (-raw.ctypes.data) % 64
         return Buffer(self, nbytes, usage, raw[start:start + max(nbytes, 1)])
 
@@ -201,20 +207,23 @@ class HostBackend(Backend):
 # "minigraph.backends" entry-point group (pyproject.toml), so it never imports a backend by name.
 _FACTORIES: dict = {}
 _COMPOSITES: dict = {}
+_NAMED: dict = {}
 _INSTANCES: dict = {}
 ENTRY_POINT_GROUP = "minigraph.backends"
 
 
-def register_backend(kind: str, factory, *, composite: bool = False):
+def register_backend(kind: str, factory, *, composite: bool = False, named: bool = False):
     """Register a device kind. factory(index: int) -> Backend serves names 'kind' and 'kind:N';
-    with composite=True, factory(inner_names: list[str]) -> Backend serves 'kind(dev,dev,...)'."""
-    (_COMPOSITES if composite else _FACTORIES)[kind] = factory
+    with composite=True, factory(inner_names: list[str]) -> Backend serves 'kind(dev,dev,...)';
+    with named=True, factory(rest: str) -> Backend serves 'kind:REST' for any text REST (the
+    factory checks it, and the Backend's name is the canonical form)."""
+    (_COMPOSITES if composite else _NAMED if named else _FACTORIES)[kind] = factory
 
 
 def known_kinds() -> list[str]:
     """Every device kind that is registered or installed (whether or not it can load here)."""
     from importlib.metadata import entry_points
-    return sorted(set(_FACTORIES) | set(_COMPOSITES) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted(set(_FACTORIES) | set(_COMPOSITES) | set(_NAMED) | {e.name for e in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 def _load_kind(kind: str):
@@ -225,15 +234,39 @@ def _load_kind(kind: str):
             return
 
 
-_NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N' or 'meta(dev,dev,...)'"
+_NAME_HELP = "expected 'ref', 'cpu', 'cpu:N', 'cuda:N', 'ggml:DEVICE' or 'meta(dev,dev,...)'"
 
 
-def backend(name: str) -> Backend:
-    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', or a device made of
-    several others, e.g. the meta device 'meta(cpu:0,cpu:1)'."""
+def backend(name: str, threads: int | None = None) -> Backend:
+    """The device called ``name``: 'ref', 'cpu' (= 'cpu:0'), 'cpu:N', 'cuda:N', a named device of a
+    kind registered with named=True (e.g. 'ggml:cpu', 'ggml:rpc://HOST:PORT'), or a device made of
+    several others, e.g. the meta device 'meta(cpu:0,cpu:1)'. ``threads`` sets the device's
+    thread count (devices are shared: it holds for every user of that device); a device without
+    one refuses it."""
+    be = _device(name)
+    if threads is not None:
+        setter = getattr(be, "set_n_threads", None)
+        if setter is None:
+            raise ValueError(f"device {be.name} has no thread count: threads= applies to cpu devices")
+        try:
+            setter(threads)
+        except ValueError as e:
+            raise ValueError(f"device {be.name}: threads={threads!r}: {e}") from None
+    return be
+
+
+def _device(name: str) -> Backend:
     if not isinstance(name, str):
         raise ValueError(f"a device name is a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
     text = name.strip()
+    named = re.fullmatch(r"([a-z]+):(.*)", text)
+    if named and not named.group(2).isdigit():
+        kind = named.group(1)
+        if kind not in _NAMED:
+            _load_kind(kind)
+        if kind in _NAMED:
+            be = _NAMED[kind](named.group(2))
+            return _INSTANCES.setdefault(be.name, be)
     m = re.fullmatch(r"([a-z]+)\((.*)\)", text) or re.fullmatch(r"([a-z]+)(?::(\d+))?", text)
     if not m:
         raise ValueError(f"bad device name {name!r}: {_NAME_HELP}")
@@ -277,7 +310,7 @@ def alloc_ctx_tensors(ctx: Context, be: Backend, usage: str = "weights") -> Buff
     for t in leaves:
         offs.append(total)
         total += (t.nbytes() + 63) // 64 * 64
-    buf = be.alloc_buffer(total, usage)
+    buf = be.alloc_buffer(total, usage, leaves)
     for t, o in zip(leaves, offs):
         t.buffer, t.offs = buf, o
     bind = getattr(be, "bind_tensors", None)   # the meta device slices weights/caches per device

@@ -38,6 +38,8 @@ VARIABLES = [
              "compile the CPU kernels without -march=native", when="build"),
     Variable("MINIGRAPH_ASAN", "flag", False,
              "compile the CPU kernels with AddressSanitizer", when="build"),
+    Variable("MINIGRAPH_LIBGGML", "text", "",
+             "directory of the ggml libraries the ggml backend loads (default: llama-cpp-python's llama_cpp/lib)"),
     Variable("CXX", "text", "g++",
              "the C++ compiler the CUDA emulation builds its kernels with"),
 ]

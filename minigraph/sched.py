@@ -369,7 +369,7 @@ class Scheduler:
             for t in ts:
                 offs.append(total)
                 total += (t.nbytes() + 63) // 64 * 64
-            buf = self.backends[b].alloc_buffer(total, "any")
+            buf = self.backends[b].alloc_buffer(total, "any", ts)
             for t, o in zip(ts, offs):
                 t.buffer, t.offs = buf, o
         # tensors read by another device are kept alive on their own device

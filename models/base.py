@@ -5,7 +5,7 @@ mixer:
     tokens -> get_rows(tok_embd)                                          [n_embd, n_tokens]
     per layer il: RMS norm x attn_norm -> build_layer(g, inp_rs, cur, il) -> residual add
                   [-> RMS norm x ffn_norm -> SwiGLU FFN -> residual add]  (layers with ffn_norm)
-    -> RMS norm x out_norm -> output head -> 'logits'                     [n_vocab, n_tokens]
+    -> rows wanted (out_ids) -> RMS norm x out_norm -> output head -> 'logits'   [n_vocab, n_outputs]
 
 A model subclasses RecurrentModel: it passes its `hparams` (structural constructor arguments,
 what models.gguf_io writes and reads back) to __init__, sets its own sizes and `eps`, calls
@@ -105,6 +105,17 @@ def build_norm(x: mg.Tensor, w: mg.Tensor | None, eps: float) -> mg.Tensor:
     return x if w is None else mg.mul(x, w)
 
 
+def build_output_head(g, h: mg.Tensor, out_norm: mg.Tensor, output: mg.Tensor, eps: float) -> mg.Tensor:
+    """The final norm and output head over the rows the ubatch wants logits for: the other rows
+    are dropped first (a get_rows of llama.cpp's inp_out_ids), so a prefill pays the head for its
+    last token only. h: [n_embd, n_tokens]. Returns 'logits' [n_vocab, n_outputs]."""
+    out_ids = g.build_inp_out_ids()
+    if out_ids is not None:
+        h = mg.get_rows(h, out_ids)                                         # [n_embd, n_outputs]
+    h = build_norm(h, out_norm, eps)
+    return mg.mul_mat(output, h).set_name("logits").set_output()            # [n_vocab, n_outputs]
+
+
 def build_ffn_swiglu(cur: mg.Tensor, w: dict) -> mg.Tensor:
     """ffn_down @ (silu(ffn_gate @ cur) * (ffn_up @ cur)). cur: [n_embd, n_tokens]."""
     gate = mg.mul_mat(w["ffn_gate"], cur)                                   # [n_ff, n_tokens]
@@ -195,7 +206,7 @@ class RecurrentModel:
             outs[f"{kind}.{il}"] = t.set_name(f"{kind}.{il}").set_output()
 
     def build(self, g) -> dict:
-        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_tokens]} (and, with
+        """g: models.graph.GraphContext. Returns {'logits': [n_vocab, n_outputs]} (and, with
         layer_outputs, the layer_output_names per layer)."""
         outs = {}
         tokens = g.build_inp_tokens()
@@ -216,8 +227,7 @@ class RecurrentModel:
                 cur = build_ffn_swiglu(build_norm(h, w["ffn_norm"], self.eps), w)
                 h = self.residual(h, cur)
             self._keep_layer_output(outs, "l_out", il, h)
-        h = build_norm(h, self.out_norm, self.eps)                          # [n_embd, n_tokens]
-        logits = mg.mul_mat(self.output, h).set_name("logits").set_output()   # [n_vocab, n_tokens]
+        logits = build_output_head(g, h, self.out_norm, self.output, self.eps)   # [n_vocab, n_outputs]
         g.gf.build_forward_expand(logits)
         for t in outs.values():          # computed even if nothing downstream reads them
             g.gf.build_forward_expand(t)

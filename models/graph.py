@@ -153,6 +153,28 @@ class InputRS(GraphInput):
         return REUSABLE
 
 
+def output_rows(ubatch) -> list[int]:
+    """The ubatch rows whose logits the graph computes (llama.cpp's out_ids): the tokens flagged
+    as outputs, in ubatch order. A ubatch with none (an early part of a long prompt whose last
+    token comes later) still computes its last row, which the runner drops: a graph always has
+    a logits tensor of at least one row."""
+    rows = [j for j, o in enumerate(ubatch.output) if o]
+    return rows or [ubatch.n_tokens - 1]
+
+
+class InputOutIds(GraphInput):
+    """llm_graph_input_out_ids: the rows of the ubatch that go through the output norm and head."""
+
+    def __init__(self, out_ids: mg.Tensor):
+        self.out_ids = out_ids
+
+    def set_input(self, ubatch):
+        self.out_ids.set(np.asarray(output_rows(ubatch), np.int32))
+
+    def can_reuse(self, params):
+        return _differs("out_ids (n_outputs)", self.out_ids.ne[0], len(output_rows(params.ubatch)))
+
+
 @dataclass
 class GraphResult:
     """llm_graph_result: the graph, its inputs and outputs, and what scheduled it."""
@@ -203,6 +225,16 @@ class GraphContext:
     def build_inp_tokens(self) -> mg.Tensor:
         t = self.ctx0.new_tensor_1d(mg.i32, self.n_tokens).set_name("inp_tokens").set_input()
         self.res.inputs.append(InputTokens(t))
+        return t
+
+    def build_inp_out_ids(self) -> mg.Tensor | None:
+        """The ubatch rows whose logits are wanted [n_outputs] i32 (llama.cpp's inp_out_ids), or
+        None when every row is (nothing to select)."""
+        n_outputs = len(output_rows(self.ubatch))
+        if n_outputs == self.n_tokens:
+            return None
+        t = self.ctx0.new_tensor_1d(mg.i32, n_outputs).set_name("inp_out_ids").set_input()
+        self.res.inputs.append(InputOutIds(t))
         return t
 
     def build_inp_pos(self) -> mg.Tensor:

@@ -26,7 +26,7 @@ from minigraph import env
 from minigraph.sched import is_view_op
 
 from .batch import Batch, BatchAllocr
-from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult, ReuseVerdict
+from .graph import SLOT_ORDERS, GraphContext, GraphParams, GraphResult, ReuseVerdict, output_rows
 from .hybrid_memory import HybridMemory
 from .k_shift import apply_k_shift, check_can_shift
 from .kv_cache import KVCache
@@ -117,7 +117,7 @@ def node_by_node(res: GraphResult) -> list:
 DEFAULT_KV_SIZE = 256
 
 
-def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None):
+def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None, kv_pad: int | None = None):
     """The model's memory: a RecurrentMemory, or for a model with attention layers a HybridMemory
     (its recurrent layers in a RecurrentMemory of mem_size cells, its attention layers in a KV
     cache of kv_size cells), each layer's tensors on that layer's device."""
@@ -127,15 +127,17 @@ def make_memory(model, mem_size: int, n_rs_seq: int, kv_size: int | None = None)
                           {il: model.layer_devices[il] for il in rec_layers})
     if not attn:
         return rec
+    pad = {} if kv_pad is None else {"n_pad": kv_pad}       # KVCache's own default otherwise
     kv = KVCache(attn, model.n_embd_k_gqa, model.n_embd_v_gqa, kv_size or DEFAULT_KV_SIZE,
-                 {il: model.layer_devices[il] for il in attn}, n_seq_max=mem_size)
+                 {il: model.layer_devices[il] for il in attn}, n_seq_max=mem_size, **pad)
     return HybridMemory(rec, kv)
 
 
 class Runner:
     def __init__(self, model, *, mem_size: int = 4, n_rs_seq: int = 0, n_ubatch: int = 8,
                  slot_order: str = "per-layer", backends=None, reuse: bool | None = None,
-                 validate: bool | None = None, atomic: bool | str = True, kv_size: int | None = None):
+                 validate: bool | None = None, atomic: bool | str = True, kv_size: int | None = None,
+                 kv_pad: int | None = None):
         if slot_order not in SLOT_ORDERS:
             raise ValueError(f"unknown slot order {slot_order!r}; choose one of {SLOT_ORDERS}")
         self.model = model
@@ -146,8 +148,10 @@ class Runner:
         self.n_ubatch = n_ubatch
         self.slot_order = slot_order
         self.backends = list(backends) if backends else default_backends(model)
-        # kv_size: cells of the KV cache of a model with attention layers (ignored otherwise)
-        self.memory = make_memory(model, mem_size, self.n_rs_seq, kv_size)
+        # kv_size: cells of the KV cache of a model with attention layers (ignored otherwise);
+        # kv_pad: the attended cells n_kv are a multiple of it (a graph is rebuilt when n_kv grows;
+        # llama.cpp pads to 256, KVCache's default is small for the small test caches)
+        self.memory = make_memory(model, mem_size, self.n_rs_seq, kv_size, kv_pad)
         self.reuse = env.get("MINIGRAPH_GRAPH_REUSE") if reuse is None else reuse
         self.validate = env.get("MINIGRAPH_GRAPH_REUSE_CHECK") if validate is None else validate
         self.atomic = atomic_mode(atomic)
@@ -197,7 +201,8 @@ class Runner:
             self.stats.snapshot_bytes += journal.nbytes
 
     def process_ubatch(self, ub) -> np.ndarray:
-        """Run one ubatch; returns logits [n_tokens, n_vocab] in ubatch order. A failure leaves
+        """Run one ubatch; returns the logits of its output tokens (ub.output) [n_outputs, n_vocab]
+        in ubatch order: only those rows go through the output head. A failure leaves
         the memory (cells and state bytes) exactly as it was before the step (see `step`)."""
         with self.step() as journal:
             try:
@@ -211,7 +216,7 @@ class Runner:
             raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences: {self.memory.last_refusal}")
         if journal is not None:
             journal.before_ubatch(ub)        # the rows this graph may write, before it writes them
-        params = GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens)
+        params = self._params(ub)
         t0 = time.perf_counter()
         verdict = self.reuse_verdict(params)
         reused = bool(verdict)
@@ -229,7 +234,7 @@ class Runner:
         before = self.memory.snapshot() if (reused and self.validate) else None
         res.set_inputs(ub)
         res.sched.graph_compute(res.gf)
-        logits = res.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
+        logits = self._read_logits(res, ub)
         if before is not None:
             self._validate(params, ub, before, logits, res)
         self.prev = res
@@ -237,6 +242,17 @@ class Runner:
         self.stats.ubatches += 1
         self.stats.tokens += ub.n_tokens
         return logits
+
+    def _params(self, ub) -> GraphParams:
+        return GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, len(output_rows(ub)))
+
+    @staticmethod
+    def _read_logits(res: GraphResult, ub) -> np.ndarray:
+        """The logits rows of ub's outputs [n_outputs, n_vocab] (none when the ubatch has no
+        output: the row the graph computed anyway is dropped)."""
+        logits = res.outputs["logits"].numpy()
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if any(ub.output) else logits[:0]
 
     def reuse_verdict(self, params: GraphParams) -> ReuseVerdict:
         """Whether the previous graph can run params' ubatch, and if not, why (see can_reuse)."""
@@ -253,7 +269,7 @@ class Runner:
         fresh = self._build(params)
         fresh.set_inputs(ub)
         fresh.sched.graph_compute(fresh.gf)
-        fresh_logits = fresh.outputs["logits"].numpy().reshape(ub.n_tokens, -1)
+        fresh_logits = self._read_logits(fresh, ub)
         checks = [("logits", logits.tobytes(), fresh_logits.tobytes())]
         checks += [(k, after[k], v) for k, v in self._state_bytes().items()]
         for name, got, want in checks:
@@ -297,11 +313,12 @@ class Runner:
                                           n_keep_tail=self.K if self.n_rs_seq > 0 else 0)[0]
         if not self.memory.find_slot(ub):
             raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences")
-        return self._build(GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, ub.n_tokens))
+        return self._build(self._params(ub))
 
     # -- batches ----------------------------------------------------------------------------
     def decode(self, batch: Batch) -> np.ndarray:
-        """Decode a batch; returns logits [n_tokens, n_vocab] in the batch's token order."""
+        """Decode a batch; returns the logits of its output tokens (batch.output: by default the
+        batch's last token, as llama.cpp) [n_outputs, n_vocab], in the batch's token order."""
         apply_k_shift(self.model, getattr(self.memory, "kv", None), self.backends)   # a pending seq_add / seq_div
         allocr = BatchAllocr(batch)
         ubatches = allocr.split_all("equal", self.n_ubatch, sequential=True,
@@ -310,16 +327,14 @@ class Runner:
             if isinstance(self.memory, HybridMemory):
                 raise DecodeError(f"the batch does not fit in the hybrid memory: {self.memory.last_refusal}")
             raise DecodeError("the batch does not fit in the recurrent memory")
-        where = {(s[0], p): i for i, (s, p) in enumerate(zip(batch.seq_ids, batch.pos))}
-        out = None
+        parts = []
         with self.step():                # all ubatches or none: a failure in the 2nd undoes the 1st
             for ub in ubatches:
-                logits = self.process_ubatch(ub)
-                if out is None:
-                    out = np.zeros((len(batch.tokens), logits.shape[1]), np.float32)
-                for j in range(ub.n_tokens):
-                    out[where[(ub.seq_id[j][0], ub.pos[j])]] = logits[j]
-        return out
+                parts.append(self.process_ubatch(ub))
+        logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        # the rows come in ubatch order (allocr.out_ids: their batch indices); put them in batch order
+        order = np.argsort(np.asarray(allocr.out_ids, np.int64), kind="stable")
+        return logits if np.array_equal(order, np.arange(order.size)) else logits[order]
 
     def next_pos(self, seq: int) -> int:
         return self.memory.seq_pos_max(seq) + 1
@@ -333,14 +348,20 @@ class Runner:
         check_can_shift(self.model, f"seq_div(seq {seq}, [{p0}, {p1}), /{d})")
         self.memory.seq_div(seq, p0, p1, d)
 
-    def decode_seq_tokens(self, seq_tokens: dict) -> dict:
-        """Decode {seq: [tokens]} continuing each sequence; returns {seq: logits [n, n_vocab]}."""
-        batch = Batch.from_seqs(seq_tokens, start_pos={s: self.next_pos(s) for s in seq_tokens})
+    def decode_seq_tokens(self, seq_tokens: dict, output: str = "all") -> dict:
+        """Decode {seq: [tokens]} continuing each sequence; returns {seq: logits [n, n_vocab]}
+        with output='all' (every token: the default, what tests compare), or [1, n_vocab] with
+        output='last' (each sequence's last token only, llama.cpp's default: a prefill then pays
+        the output head for one row)."""
+        if output not in ("all", "last"):
+            raise ValueError(f"decode_seq_tokens: output must be 'all' or 'last', got {output!r}")
+        batch = Batch.from_seqs(seq_tokens, start_pos={s: self.next_pos(s) for s in seq_tokens}, output=output)
         logits = self.decode(batch)
         out, i = {}, 0
-        for s, toks in seq_tokens.items():
-            idx = [k for k, ids in enumerate(batch.seq_ids) if ids[0] == s]
-            out[s] = logits[idx]
+        for s, toks in seq_tokens.items():      # from_seqs lays the batch out sequence by sequence
+            n = len(toks) if output == "all" else min(len(toks), 1)
+            out[s] = logits[i:i + n]
+            i += n
         return out
 
     def rollback(self, seq: int, k: int) -> bool:

@@ -22,7 +22,11 @@ the step ends with the copy taken before the first of them: the value it had bef
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
+
+from minigraph.backend import HostBackend
 
 from .batch import Ubatch
 from .memory import RecurrentMemory
@@ -54,27 +58,97 @@ def write_span(memory, t, offs: int, data: np.ndarray):
         memory.write_row_bytes(t, offs // t.nb[1], data)
 
 
+# One reusable byte arena per memory for the host fast path: a fresh array per span each step
+# would have its pages faulted in anew every step (a mamba2-130m-like decode step saves ~19 MB),
+# which cost as much as the copy itself. A step's spans are views into it; the next step of the
+# same memory (steps never overlap: nested ones join the outer journal) reuses it.
+_ARENAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _host_bytes(t) -> tuple[np.ndarray, int] | None:
+    """(the host byte array holding t, t's byte offset in it) for a tensor in host memory (ref,
+    cpu devices); None elsewhere (cuda, meta: their own get_bytes is used)."""
+    if not isinstance(t.backend, HostBackend):
+        return None
+    buf, base = t.storage()
+    mem = getattr(buf, "mem", None)
+    return (mem, base) if isinstance(mem, np.ndarray) and mem.dtype == np.uint8 else None
+
+
 class StepJournal:
     """Undo journal of one step: cell metadata plus the byte spans each ubatch may write."""
 
     def __init__(self, memory: RecurrentMemory):
         self.memory = memory
         self.meta = memory.meta_copy()
-        self.spans: list[tuple[object, int, np.ndarray]] = []     # (tensor, byte offset, raw bytes)
+        self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
+        self._arena_offs = 0                                      # bytes of the arena this step used
+
+    def _arena(self, need: int) -> np.ndarray:
+        """need bytes of this memory's arena, after what this step already saved there."""
+        arena = _ARENAS.get(self.memory)
+        if arena is None or arena.size < self._arena_offs + need:
+            # a bigger one; the spans already saved stay views of the old one (they keep it alive)
+            arena = np.empty(max(2 * (0 if arena is None else arena.size), need, 1 << 16), np.uint8)
+            _ARENAS[self.memory] = arena
+            self._arena_offs = 0
+        out = arena[self._arena_offs:self._arena_offs + need]
+        self._arena_offs += need
+        return out
 
     def before_ubatch(self, ub: Ubatch):
-        """Save the spans the graph of `ub` (just placed by find_slot) may write."""
-        for t, offs, n in spans_written_by(self.memory, ub):
-            data = read_span(self.memory, t, offs, n)
-            self.spans.append((t, offs, data))
-            self.nbytes += data.size
+        """Save the spans the graph of `ub` (just placed by find_slot) may write. On the host,
+        spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
+        one short span per channel row) are copied as one strided block, not one by one."""
+        for t, offs, stride, count, n in strided_runs(spans_written_by(self.memory, ub)):
+            host = _host_bytes(t)
+            if host is not None:
+                mem, base = host
+                data = self._arena(count * n).reshape(count, n)
+                np.copyto(data, _strided(mem, base + offs, stride, count, n))
+                self.spans.append((t, offs, stride, data))
+            else:
+                for i in range(count):
+                    data = read_span(self.memory, t, offs + i * stride, n)
+                    self.spans.append((t, offs + i * stride, 0, data))
+            self.nbytes += count * n
 
     def undo(self):
         """Put back every saved span, newest first, then the metadata of the step's start."""
-        for t, offs, data in reversed(self.spans):
-            write_span(self.memory, t, offs, data)
+        for t, offs, stride, data in reversed(self.spans):
+            if data.ndim == 2:                   # a host run (count x nbytes)
+                mem, base = _host_bytes(t)
+                _strided(mem, base + offs, stride, data.shape[0], data.shape[1])[...] = data
+            else:
+                write_span(self.memory, t, offs, data)
         self.memory.restore_meta(self.meta)
+
+
+def strided_runs(spans) -> list[tuple[object, int, int, int, int]]:
+    """(tensor, first offset, stride, count, nbytes): consecutive spans of one tensor with the same
+    length whose offsets step by a constant stride (>= the length: the spans never overlap) as one
+    run; a lone span is a run of 1 (stride 0)."""
+    out = []
+    for t, offs, n in spans:
+        if out:
+            t0, o0, st, c, n0 = out[-1]
+            step = offs - (o0 + (c - 1) * st)
+            if t0 is t and n0 == n and c >= 1 and (c == 1 and step >= n or c > 1 and step == st):
+                out[-1] = (t0, o0, step, c + 1, n0)
+                continue
+        out.append((t, offs, 0, 1, n))
+    return out
+
+
+def _strided(mem: np.ndarray, start: int, stride: int, count: int, n: int) -> np.ndarray:
+    """A [count, n] byte view of mem: rows of n bytes, stride bytes apart, from start."""
+    if count * n == 0:
+        return mem[start:start].reshape(count, n)
+    end = start + (count - 1) * stride + n
+    if end > mem.size:
+        raise ValueError(f"undo journal: span up to byte {end} is outside its buffer of {mem.size}")
+    return np.lib.stride_tricks.as_strided(mem[start:end], shape=(count, n), strides=(max(stride, n), 1))
 
 
 class FullCopyJournal:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import minigraph as mg
+from minigraph.models.base import build_output_head
 from minigraph.models.toy import ToyConvModel
 
 
@@ -40,7 +41,6 @@ class ToyConvTPModel(ToyConvModel):
             y = mg.silu(mg.ssm_conv(conv_x, w["conv"]))
             y = mg.reshape_2d(mg.mul(y, w["norm"]), self.n_embd, T * S)
             h = mg.add(h, mg.mul_mat(w["out_proj"], y))
-        h = mg.mul(mg.rms_norm(h, 1e-5), self.out_norm)
-        logits = mg.mul_mat(self.output, h).set_name("logits").set_output()
+        logits = build_output_head(g, h, self.out_norm, self.output, 1e-5)
         g.gf.build_forward_expand(logits)
         return {"logits": logits}

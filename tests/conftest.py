@@ -6,7 +6,8 @@
   Elsewhere the GPU tests skip, each with its reason (pytest -ra lists them).
 - llama.cpp (the optional `llama` extra, llama-cpp-python) is expected only where it is installed;
   then it must load (checked in a process of its own), else the run stops with the reason. Where it
-  is not installed, tests/test_llama_oracle.py skips, saying how to install and run it.
+  is not installed, tests/test_llama_oracle.py skips, saying how to install and run it. The ggml
+  backend (ggml:cpu, from the same extra) is held to the same rule: installed means it must load.
 - A skip must say why: a skip with no reason fails."""
 import os
 
@@ -55,11 +56,28 @@ def llama_extra_problem() -> str | None:
     return None if problem is None else f"llama-cpp-python (the llama extra) is installed but: {problem}"
 
 
+def ggml_backend_problem() -> str | None:
+    """Why the ggml backend (ggml 0.25 from the llama extra) does not load where the extra is
+    installed; None when it loads or the extra is absent. Checked in a process of its own: it must
+    not share one with the op oracle's libggml-python."""
+    from minigraph.testing import llama_oracle
+    if not llama_oracle.installed():
+        return None
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", "import minigraph as mg; mg.backend('ggml:cpu')"],
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode == 0:
+        return None
+    lines = (p.stderr.strip() or f"status {p.returncode}").splitlines()
+    return f"the llama extra is installed but the ggml backend (ggml:cpu) does not load: {lines[-1]}"
+
+
 def pytest_sessionstart(session):
     failures = backends_that_must_load_but_do_not()
-    llama = llama_extra_problem()
-    if llama:
-        failures.append(llama)
+    for problem in (llama_extra_problem(), ggml_backend_problem()):
+        if problem:
+            failures.append(problem)
     if failures:
         pytest.exit("expected backends do not load (their tests would silently not run):\n  "
                     + "\n  ".join(failures), returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -3,6 +3,7 @@ names (mg.backend), the command line's model names, device lists, numbers and fi
 models' own hyperparameters. No tracebacks."""
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import minigraph as mg
@@ -57,7 +58,11 @@ def run_cli(capsys, monkeypatch, *args):
     (["run", "toy", "--steps", "-1"], "argument --steps: must be >= 0, got -1"),
     (["run", "toy", "--draft", "0"], "argument --draft: must be >= 1, got 0"),
     (["run", "toy", "--n-rs-seq", "-1"], "argument --n-rs-seq: must be >= 0, got -1"),
-    (["run", "toy", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+    (["run", "toy", "--threads", "-2"], "argument --threads: must be >= 1, got -2"),
+    (["run", "toy", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    (["run", "toy", "--threads", "1.5"], "argument --threads: expected an integer >= 1, got '1.5'"),
+    (["run", "toy", "--threads", "many"], "argument --threads: expected an integer >= 1, got 'many'"),
+    (["run", "toy", "--threads", "100000"], "argument --threads: n_threads must be at most 512"),
     (["run", "toy", "--layers", "-1"], "argument --layers: must be >= 1, got -1"),
     (["run", "toy", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["reuse", "toy", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
@@ -119,3 +124,69 @@ def test_the_delta_net_layer_needs_equal_head_dims_and_sequences():
     hp.head_v_dim = hp.head_k_dim
     with pytest.raises(ValueError, match=r"delta-net layer 1: the ubatch needs equal sequences"):
         build_delta_net_layer(_unequal_ubatch(), None, None, 1, {}, hp)
+
+
+# -- thread counts and memory --------------------------------------------------------------------
+def test_more_threads_than_cores_on_the_command_line_is_one_warning_line(capsys, monkeypatch):
+    import os
+
+    import minigraph.backends.cpu as cpu_backend
+    # the warning comes once per process: another test may already have had it
+    monkeypatch.setattr(cpu_backend, "_oversubscribed_warned", False)
+    n = len(os.sched_getaffinity(0)) + 1
+    code, err = run_cli(capsys, monkeypatch, "run", "toy", "--steps", "1", "--threads", str(n))
+    mg.backend("cpu").set_n_threads(1)
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [f"minigraph: warning: --threads {n}: n_threads {n} is more than the "
+                     f"{n - 1} cores this process may use: the extra threads only share those cores"], err
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "2", 10**6])
+def test_backend_threads_refuses_bad_counts_in_one_line(bad):
+    before = mg.backend("cpu").n_threads
+    with pytest.raises(ValueError, match=r"^device cpu:0: threads=.*: n_threads must be") as ei:
+        mg.backend("cpu", threads=bad)
+    assert "\n" not in str(ei.value) and mg.backend("cpu").n_threads == before
+
+
+def test_backend_threads_sets_the_count_and_a_device_without_one_refuses_it():
+    be = mg.backend("cpu")
+    before = be.n_threads
+    try:
+        assert mg.backend("cpu", threads=1) is be and be.n_threads == 1
+    finally:
+        be.set_n_threads(before)
+    with pytest.raises(ValueError, match=r"device ref has no thread count"):
+        mg.backend("ref", threads=2)
+
+
+HUGE = 1 << 38   # f32 elements: 1 TiB, more than any machine this runs on has
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+def test_an_unsatisfiable_leaf_allocation_is_a_memory_error_naming_the_tensor(device):
+    ctx = mg.Context()
+    small = ctx.new_tensor(mg.f32, (8,)).set_name("small")
+    ctx.new_tensor(mg.f32, (HUGE,)).set_name("huge")
+    with pytest.raises(MemoryError) as ei:
+        mg.alloc_ctx_tensors(ctx, mg.backend(device))
+    msg = str(ei.value)
+    assert "\n" not in msg and "'huge'" in msg and str(HUGE * 4 + 64) in msg and "on " + mg.backend(device).name in msg, msg
+    assert small.buffer is None              # nothing was bound
+
+
+@pytest.mark.parametrize("device", ["ref", "cpu"])
+def test_an_unsatisfiable_intermediate_is_a_memory_error_before_any_write(device):
+    be = mg.backend(device)
+    ctx = mg.Context()
+    a = ctx.new_tensor(mg.f32, (4, 1 << 18)).set_name("a")     # 4 MiB
+    b = ctx.new_tensor(mg.f32, (4, 1 << 18)).set_name("b")
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(np.random.default_rng(1).standard_normal((1 << 18, 4)).astype(np.float32))
+    b.set(np.random.default_rng(2).standard_normal((1 << 18, 4)).astype(np.float32))
+    out = mg.mul_mat(a, b).set_name("outer")                     # [2^18, 2^18] f32: 256 GiB
+    gf = mg.Graph().build_forward_expand(out.set_output())
+    with pytest.raises(MemoryError, match=r"cannot allocate 256.0 GiB .* for tensor 'outer'"):
+        be.graph_compute(gf)
+    assert out.buffer is None and ("alloc", be.name) not in gf.cache

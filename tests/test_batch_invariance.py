@@ -116,6 +116,37 @@ def test_mul_mat_wide_batch_crosses_column_blocks(n_threads):
         assert np.array_equal(got[:, :, c].view(np.uint32), alone[:, :, 0].view(np.uint32)), c
 
 
+# (K, M, N, a planes, b planes, layout of a, layout of b): the packed prefill path (24 or more
+# columns) -- k tails and several k blocks, odd M across row blocks, planes with broadcast,
+# strided and swapped views, and more columns than one slab of results (512)
+PACKED_SHAPES = [
+    (1100, 131, 40, (1, 1), (1, 1), "strided", "contig"),
+    (517, 67, 27, (2, 1), (4, 1), "contig", "strided"),
+    (64, 9, 25, (2, 3), (2, 3), "swapped", "strided"),
+    (77, 70, 530, (1, 1), (1, 1), "contig", "contig"),
+]
+
+
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: f"K{s[0]}-M{s[1]}-N{s[2]}-{s[5]}-{s[6]}")
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_mul_mat_gemm_columns_equal_their_single_column_results(shape, n_threads):
+    """A GEMM-sized batch (the packed path) against each column alone (matrix x vector) and
+    against NumPy in float64: bit-identical to the former, close to the latter."""
+    K, M, N, (a2, a3), (b2, b3), la, lb = shape
+    rng = np.random.default_rng(K + M + N)
+    a = rng.uniform(-1, 1, (a3, a2, M, K)).astype(np.float32)
+    b = rng.uniform(-1, 1, (b3, b2, N, K)).astype(np.float32)
+    got = _mul_mat(a, b, la, lb, _backend(n_threads))
+    ref = np.einsum("xymk,xynk->xynm", np.repeat(np.repeat(a, b3 // a3, 0), b2 // a2, 1).astype(np.float64),
+                    b.astype(np.float64))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.sqrt(K))
+    for c in sorted({0, 1, 5, 6, 7, N // 2, N - 2, N - 1}):
+        alone = _mul_mat(a, b[:, :, c:c + 1], la, lb, _backend(1))[:, :, 0]
+        if not np.array_equal(got[:, :, c].view(np.uint32), alone.view(np.uint32)):
+            pytest.fail(f"column {c} of N={N} ({n_threads} threads): {int(np.sum(got[:, :, c] != alone))} "
+                        f"elements differ from its single-column result")
+
+
 # -- the per-token ops the runner runs on batches --------------------------------------------
 
 def test_rms_norm_row_is_independent_of_the_batch():

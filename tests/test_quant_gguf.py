@@ -83,8 +83,13 @@ def test_file_type_runs_on_each_backend_that_takes_it(files, name, ftype, backen
         return
     got = _logits(loaded)
     want = _logits(load_gguf(paths[ftype], devices=mg.backend("ref")))
+    # mul_mat rounds its f32 operand to the weights' dot type: where two backends' f32 ops differ
+    # by ~1e-7 upstream, a value next to a rounding boundary rounds to the neighbouring f16 / bf16
+    # value on one of them (2^-11 / 2^-8 apart), which moves the logits by more than 1e-4
+    # (kda-hybrid on cpu: 5.3e-3 for bf16, one element rounded to the neighbouring bf16 value)
+    bound = {"f16": 1e-3, "bf16": 1e-2}.get(ftype, 1e-4)
     for g, w in zip(got, want):
-        assert float(np.max(np.abs(g - w)) / np.max(np.abs(w))) <= 1e-4
+        assert float(np.max(np.abs(g - w)) / np.max(np.abs(w))) <= bound
 
 
 def test_quantized_logits_stay_near_the_f32_model(files):

@@ -23,6 +23,8 @@ NOT_RUN = [
     (re.compile(r"-m venv|pip install"), "creates a virtual environment and installs from a package index"),
     (re.compile(r"-m pytest"), "runs the whole test suite (this test is part of it)"),
     (re.compile(r"\bcuda\b|--gpu"), "needs a GPU"),
+    (re.compile(r"rpc-server|ggml:rpc://"), "starts, or needs, RPC servers that run until stopped "
+     "(tests/test_ggml_backend.py starts two on free ports and runs these commands against them)"),
 ]
 
 

@@ -18,7 +18,7 @@ from minigraph.errors import OpError
 from minigraph.registry import OPS
 from minigraph.sources import srcs_of
 from minigraph.tensor import bind_epoch
-from minigraph.types import f16, f32, i32, i64
+from minigraph.types import bf16, f16, f32, i32, i64, q4_0, q4_k, q6_k, q8_0, q8_k
 
 try:
     from ._kernels import ffi, lib
@@ -34,7 +34,22 @@ REBUILD_HINT = ("the CPU backend's C extension minigraph.backends.cpu._kernels i
 # every other compute op of the registry must have an MG_KERNEL registration.
 UNSUPPORTED: dict[str, str] = {}
 
-_TYPE_CODES = {f32: 0, f16: 1, i32: 2, i64: 3}
+_TYPE_CODES = {f32: 0, f16: 1, i32: 2, i64: 3, bf16: 4, q4_0: 5, q8_0: 6, q4_k: 7, q6_k: 8, q8_k: 9}   # enum mg_type
+
+# Which ops run which of the half / block types (the other kernels handle f32, f16, i32, i64):
+# op -> {source name: the extra types it may have there}. A node with one of these types
+# anywhere else is not supported (supports_op), so it is refused at graph build, never computed
+# wrong.
+_HALF_AND_BLOCK = frozenset({f16, bf16, q8_0, q4_0, q4_k, q6_k})
+TYPE_SUPPORT: dict[str, dict[str, frozenset]] = {
+    "GET_ROWS": {"a": _HALF_AND_BLOCK},
+    "MUL_MAT": {"a": _HALF_AND_BLOCK},   # src1 f32, converted to the vec_dot_type first (quant_matmul.c)
+    # bf16 <-> f32; f32 -> q8_0 / q4_0 (ggml's x86 quantizers: quant_codec.c)
+    "CPY": {"a": frozenset({bf16}), "b": frozenset({bf16, q8_0, q4_0})},
+    "CONT": {"a": frozenset({bf16})},
+}
+_PLAIN = frozenset({f32, f16, i32, i64})
+_WIDE_RESULT = {"CPY": frozenset({bf16, q8_0, q4_0}), "CONT": frozenset({bf16})}
 _SLOTS = 8   # mg_node's fp[] and ip[] (mg_api.h)
 
 
@@ -48,6 +63,9 @@ def _registered_kernels() -> dict:
     codes = {}
     for code in range(n):
         name = ffi.string(lib.mg_op_name(code)).decode()
+        if ":" in name and name.split(":")[0] in OPS:
+            STEP_CODES[name] = code   # an internal step of an op ("MUL_MAT:src1_to_dot_type"), not an op
+            continue
         if name not in OPS:
             raise ImportError(f"a C kernel is registered for {name!r}, which is not a registered op "
                               f"(MG_KERNEL in backends/cpu/*.c)")
@@ -57,6 +75,7 @@ def _registered_kernels() -> dict:
     return codes
 
 
+STEP_CODES: dict = {}               # "OP:step" -> code: records a kernel adds for an op's internal steps
 OP_CODES = _registered_kernels()   # op name -> the code a node record carries
 
 
@@ -86,11 +105,13 @@ class CpuPlan:
         self.nodes = nodes          # the node list it was built from (identity is the key)
         self.records = records      # cdata mg_node[n]
         self.n = n
-        self.compute = compute      # the compute nodes, in record order
+        self.compute = compute      # the compute node of each record (a MUL_MAT's src1 conversion
+                                    # record names its MUL_MAT)
         self.roots = roots          # root tensors whose memory the records point into
         self.sig = sig              # (buffer id, offset) of each root when built
         self.runs = 0
         self.epoch = -1             # bind epoch at which it was last known valid
+        self.work = None            # MUL_MAT src1 conversion buffer (build_plan)
 
 
 def _cores() -> int:
@@ -104,6 +125,8 @@ _oversubscribed_warned = False
 
 
 class CpuBackend(HostBackend):
+    # the bf16 / block types (and f16 weights) some kernels take; TYPE_SUPPORT says which and where
+    wide_types = frozenset({"f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"})
     # Default: every core. The executor stays graceful when a core is busy elsewhere (a worker
     # that is descheduled takes no chunk and nobody waits for it), so the default does not lose
     # to one thread on a shared machine (bench/ops.py's contention rows measure it).
@@ -120,8 +143,8 @@ class CpuBackend(HostBackend):
         self.plans_built = 0
 
     def set_n_threads(self, n: int) -> "CpuBackend":
-        """Threads per plan run (the caller's and n - 1 pool workers). n must be a positive
-        integer; more than the cores is allowed (warned once per process): the executor never
+        """Threads per plan run (the caller's and n - 1 pool workers). n must be an integer from
+        1 to the pool's limit (mg_thread_limit, 512); more than the cores is allowed (warned once per process): the executor never
         waits for a thread that is not running, but extra threads buy nothing."""
         global _oversubscribed_warned
         if isinstance(n, bool):
@@ -132,6 +155,9 @@ class CpuBackend(HostBackend):
             raise ValueError(f"n_threads must be a positive integer, got {n!r}") from None
         if n < 1:
             raise ValueError(f"n_threads must be >= 1, got {n}")
+        if n > lib.mg_thread_limit():
+            raise ValueError(f"n_threads must be at most {lib.mg_thread_limit()} (the CPU backend's "
+                             f"thread pool), got {n}")
         cores = _cores()
         if n > cores and not _oversubscribed_warned:
             _oversubscribed_warned = True
@@ -145,11 +171,26 @@ class CpuBackend(HostBackend):
         d = OPS.get(node.op)
         if d is None:
             return False
-        return d.is_view or node.op in OP_CODES
+        if d.is_view:
+            return True
+        return node.op in OP_CODES and self.supports_types(node)
+
+    @staticmethod
+    def supports_types(node) -> bool:
+        """The node's source and result types are ones its kernel handles (TYPE_SUPPORT)."""
+        extra = TYPE_SUPPORT.get(node.op, {})
+        for name, s in srcs_of(node).items():
+            if s is not None and s.type not in _PLAIN and s.type not in extra.get(name, ()):
+                return False
+        if node.op == "MUL_MAT":   # src1: f32 (converted here to src0's vec_dot_type) or that type itself
+            a, b = srcs_of(node)["a"], srcs_of(node)["b"]
+            if b.type != f32 and (a.type == f32 or b.type != a.type.vec_dot_type):
+                return False
+        return node.type in _PLAIN or node.type in _WIDE_RESULT.get(node.op, ())
 
     @staticmethod
     def op_code(name: str) -> int:
-        return OP_CODES[name]
+        return OP_CODES[name] if name in OP_CODES else STEP_CODES[name]
 
     # -- plans ------------------------------------------------------------------------------
     def _address(self, buf) -> int:
@@ -171,27 +212,78 @@ class CpuBackend(HostBackend):
     def _signature(roots) -> tuple:
         return tuple((r.buffer.id if r.buffer is not None else -1, r.offs) for r in roots)
 
+    @staticmethod
+    def _needs_src1_conversion(node) -> bool:
+        """A MUL_MAT whose weights are half / block and whose src1 is f32: ggml's CPU semantics
+        convert src1's rows to the weights' vec_dot_type first (quant_matmul.c)."""
+        return node.op == "MUL_MAT" and srcs_of(node)["a"].type != f32 and srcs_of(node)["b"].type == f32
+
+    @staticmethod
+    def _work_layout(node):
+        """(type code, ne, nb) of the converted src1 of a MUL_MAT node: contiguous rows in the
+        layout the C kernels chose for the weights' type (quant.h: ggml's vec_dot_type blocks,
+        or for q4_0 the same q8_0 values laid out for its dot product)."""
+        a, b = srcs_of(node)["a"], srcs_of(node)["b"]
+        code = lib.mg_work_type(_TYPE_CODES[a.type])
+        row = int(lib.mg_work_row_bytes(_TYPE_CODES[a.type], b.ne[0]))
+        blck = a.type.vec_dot_type.blck_size
+        return code, b.ne, (row // max(1, b.ne[0] // blck) if b.ne[0] else row, row, row * b.ne[1],
+                            row * b.ne[1] * b.ne[2])
+
     def build_plan(self, nodes) -> CpuPlan:
-        """Translate ``nodes`` into C node records (once per node list and memory binding)."""
+        """Translate ``nodes`` into C node records (once per node list and memory binding).
+
+        A MUL_MAT with half / block weights and an f32 src1 takes two records: the conversion of
+        src1's rows into a work buffer (op "MUL_MAT:src1_to_dot_type"), then the MUL_MAT reading
+        that buffer as its src1. Records run in order and one at a time, so every such MUL_MAT of
+        the plan shares one buffer, sized for the largest; it lives with the plan."""
         compute = [n for n in nodes if is_compute_node(n)]
-        records = ffi.new("mg_node[]", max(len(compute), 1))
+        record_nodes = []
+        work_bytes = 0
+        for node in compute:
+            if self._needs_src1_conversion(node):
+                t, ne, nb = self._work_layout(node)
+                work_bytes = max(work_bytes, nb[3] * ne[3])
+                record_nodes.append(node)
+            record_nodes.append(node)
+        # 64 bytes of slack: the buffer's start is rounded up to a cache line
+        work = ffi.new("char[]", work_bytes + 64) if work_bytes else None
+        work_addr = (int(ffi.cast("uintptr_t", work)) + 63) // 64 * 64 if work is not None else 0
+        records = ffi.new("mg_node[]", max(len(record_nodes), 1))
         roots = {}
-        for i, node in enumerate(compute):
+        i = 0
+        for node in compute:
+            names = OPS[node.op].srcs
+            convert = self._needs_src1_conversion(node)
+            if convert:
+                t, ne, nb = self._work_layout(node)
+                rec = records[i]
+                rec.op = self.op_code("MUL_MAT:src1_to_dot_type")
+                rec.n_src = 1
+                self._fill(rec.src[0], srcs_of(node)["b"])
+                rec.dst.data = ffi.cast("char *", work_addr)
+                rec.dst.ne = list(ne)
+                rec.dst.nb = list(nb)
+                rec.dst.type = t
+                i += 1
             rec = records[i]
+            i += 1
             rec.op = self.op_code(node.op)
             self._fill(rec.dst, node)
             roots[node.root().id] = node.root()
-            names = OPS[node.op].srcs
             rec.n_src = len(names)
             for j, name in enumerate(names):
                 s = srcs_of(node).get(name)
                 if s is not None:
                     self._fill(rec.src[j], s)
                     roots[s.root().id] = s.root()
+            if convert:   # src1: the converted rows
+                rec.src[1] = records[i - 2].dst
             _params(node, rec)
         roots = list(roots.values())
         self.plans_built += 1
-        plan = CpuPlan(nodes, records, len(compute), compute, roots, self._signature(roots))
+        plan = CpuPlan(nodes, records, len(record_nodes), record_nodes, roots, self._signature(roots))
+        plan.work = work             # the conversion buffer: alive as long as the records point into it
         plan.epoch = bind_epoch()
         return plan
 

@@ -16,7 +16,7 @@ import os
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["copy.c", "index.c", "elementwise.c", "reduce.c", "matmul.c", "ssm.c", "rope.c", "norm.c", "activation.c", "attention.c", "plan.c"]
+SOURCES = ["copy.c", "index.c", "elementwise.c", "reduce.c", "matmul.c", "ssm.c", "rope.c", "norm.c", "activation.c", "attention.c", "quant_codec.c", "quant_matmul.c", "plan.c"]
 
 # the cdef is the shared interface header itself (mg.h includes it too)
 with open(os.path.join(HERE, "mg_api.h")) as f:
@@ -64,7 +64,7 @@ ffibuilder.set_source(
     '#include "mg.h"\n',
     sources=[os.path.join(_rel, s) for s in SOURCES],
     include_dirs=[HERE],
-    depends=[os.path.join(_rel, "mg.h"), os.path.join(_rel, "mg_api.h")],
+    depends=[os.path.join(_rel, "mg.h"), os.path.join(_rel, "mg_api.h"), os.path.join(_rel, "quant.h")],
     extra_compile_args=_args,
     extra_link_args=_link,
 )

@@ -1,6 +1,7 @@
 /* Copies that move data: CPY (with type conversion) / CONT, CONCAT, REPEAT. */
 #include <stdlib.h>
 #include "mg.h"
+#include "quant.h"
 
 #define CONV_LOOP(DT, ST, EXPR)                                                      \
     do {                                                                             \
@@ -19,6 +20,17 @@
 
 /* dst: n elements of type dt at stride dnb; src: n elements of type st at stride snb */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n) {
+    if (mg_blck_size(st) > 1 || mg_blck_size(dt) > 1) {
+        /* block types: whole rows only (dense by the shape rules) */
+        if (dt == st) memcpy(dst, src, (size_t)mg_row_bytes(st, n));
+        else if (dt == MG_F32 && dnb == 4) mg_to_f32_row(st, src, (float *)dst, n);
+        else if (st == MG_F32) mg_from_f32_row(dt, src, snb, dst, n);
+        return;
+    }
+    if (st == MG_BF16 || dt == MG_BF16) {   /* bf16 <-> f32 (and bf16 -> bf16 below) */
+        if (st == MG_BF16 && dt == MG_F32) { CONV_LOOP(float, uint16_t, mg_bf16_to_fp32(x)); return; }
+        if (st == MG_F32 && dt == MG_BF16) { CONV_LOOP(uint16_t, float, mg_fp32_to_bf16(x)); return; }
+    }
     if (dt == st) {
         int es = mg_type_size(dt);
         if (dnb == es && snb == es) { memcpy(dst, src, (size_t)(n * es)); return; }
@@ -98,6 +110,19 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
     const int64_t nel = mg_nelements(d);
     const int same_shape = a->ne[0] == d->ne[0] && a->ne[1] == d->ne[1] && a->ne[2] == d->ne[2] && a->ne[3] == d->ne[3];
 
+    if (mg_blck_size(st) > 1 || mg_blck_size(dt) > 1) {
+        /* to or from blocks: the shape rules give whole-block source rows and a contiguous
+         * destination, so source row r starts at value r * ne00 of the destination */
+        int64_t r0, r1;
+        mg_split(mg_nrows(a), ith, nth, &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t i1, i2, i3;
+            mg_row_coords(a, r, &i1, &i2, &i3);
+            const int64_t off = (r * a->ne[0]) / mg_blck_size(dt) * mg_type_size(dt);
+            mg_convert_row(d->data + off, mg_type_size(dt), dt, mg_ptr(a, 0, i1, i2, i3), a->nb[0], st, a->ne[0]);
+        }
+        return;
+    }
     if (mg_is_contiguous(a) && mg_is_contiguous(d)) {
         /* one flat range, split across threads */
         int64_t r0, r1;
@@ -169,6 +194,15 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
 }
 
 /* CONCAT along ip[0]: a [ne00..] and b [ne10..], any strides, same type -> dst contiguous */
+static inline void concat_row4(char *restrict dst, const char *restrict src, int64_t snb, int64_t n) {
+    if (snb == 4 && n > 16) {
+        memcpy(dst, src, (size_t)(n * 4));
+        return;
+    }
+    for (int64_t k = 0; k < n; k++)
+        memcpy(dst + k * 4, src + k * snb, 4);
+}
+
 void mg_k_concat(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *b = &n->src[1];
@@ -181,7 +215,12 @@ void mg_k_concat(const mg_node *n, int ith, int nth) {
         int64_t i[4];
         mg_row_coords(d, r, &i[1], &i[2], &i[3]);
         char *drow = mg_ptr(d, 0, i[1], i[2], i[3]);
-        if (dim == 0) {
+        if (dim == 0 && mg_type_size(t) == 4 && d->nb[0] == 4) {
+            /* 4-byte elements into a dense row, inline: the conv inputs of a decode step are many
+             * rows of a few elements (d_conv - 1 of history + 1), where a call per row dominated */
+            concat_row4(drow, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], a->ne[0]);
+            concat_row4(drow + a->ne[0] * 4, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], b->ne[0]);
+        } else if (dim == 0) {
             mg_convert_row(drow, d->nb[0], t, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], t, a->ne[0]);
             mg_convert_row(drow + a->ne[0] * d->nb[0], d->nb[0], t, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], t, b->ne[0]);
         } else if (i[dim] < a->ne[dim]) {

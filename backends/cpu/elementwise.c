@@ -152,9 +152,23 @@ static inline __m512 xor512(__m512 a, __m512 b) {   /* AVX512F alone has no _mm5
         for (; i < n; i++) { const float x = s[i]; d[i] = SEXPR(x); }                     \
     }
 #elif defined(__AVX2__) && defined(__FMA__)
+/* two vectors per step: exp's Horner chain and the division are long dependency chains, and
+ * two independent ones keep the FMA and divide units busy (each lane's operations unchanged) */
 #define VROW(NAME, VEXPR, SEXPR)                                                          \
     static void row_##NAME(const float *s, float *d, int64_t n) {                         \
         int64_t i = 0;                                                                    \
+        const __m256 one = _mm256_set1_ps(1.0f);                                          \
+        (void)one;                                                                        \
+        for (; i + 16 <= n; i += 16) {                                                    \
+            __m256 x = _mm256_loadu_ps(s + i);                                            \
+            const __m256 y0 = VEXPR(exp8, _mm256_add_ps, _mm256_div_ps, _mm256_xor_ps,    \
+                                    _mm256_set1_ps(-0.0f));                               \
+            x = _mm256_loadu_ps(s + i + 8);                                               \
+            const __m256 y1 = VEXPR(exp8, _mm256_add_ps, _mm256_div_ps, _mm256_xor_ps,    \
+                                    _mm256_set1_ps(-0.0f));                               \
+            _mm256_storeu_ps(d + i, y0);                                                  \
+            _mm256_storeu_ps(d + i + 8, y1);                                              \
+        }                                                                                 \
         for (; i + 8 <= n; i += 8) {                                                      \
             const __m256 x = _mm256_loadu_ps(s + i);                                      \
             const __m256 one = _mm256_set1_ps(1.0f);                                      \

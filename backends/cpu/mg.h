@@ -29,12 +29,33 @@ void mg_register_kernel(const char *op, mg_kernel kernel, mg_check check);
 static inline int64_t mg_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t mg_max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* bytes of one block (one element for the plain types), like ggml's type_size */
 static inline int mg_type_size(int type) {
     switch (type) {
-        case MG_F16: return 2;
-        case MG_I64: return 8;
-        default:     return 4;
+        case MG_F16: case MG_BF16: return 2;
+        case MG_I64:  return 8;
+        case MG_Q4_0: return 18;
+        case MG_Q8_0: return 34;
+        case MG_Q4_K: return 144;
+        case MG_Q6_K: return 210;
+        case MG_Q8_K: return 292;
+        case MG_Q8_0X: return 68;
+        default:      return 4;
     }
+}
+
+/* elements per block: 1 for the plain types */
+static inline int mg_blck_size(int type) {
+    switch (type) {
+        case MG_Q4_0: case MG_Q8_0: case MG_Q8_0X: return 32;
+        case MG_Q4_K: case MG_Q6_K: case MG_Q8_K: return 256;
+        default: return 1;
+    }
+}
+
+/* bytes of n elements (n a multiple of the block size) */
+static inline int64_t mg_row_bytes(int type, int64_t n) {
+    return n / mg_blck_size(type) * mg_type_size(type);
 }
 
 static inline int64_t mg_nelements(const mg_tensor *t) {
@@ -49,9 +70,10 @@ static inline int64_t mg_nrows(const mg_tensor *t) {
 static inline int mg_is_contiguous(const mg_tensor *t) {
     int64_t next = mg_type_size(t->type);
     for (int i = 0; i < 4; i++) {
-        if (t->ne[i] != 1) {
+        const int64_t ne = i == 0 ? t->ne[0] / mg_blck_size(t->type) : t->ne[i];
+        if (ne != 1) {
             if (t->nb[i] != next) return 0;
-            next *= t->ne[i];
+            next *= ne;
         }
     }
     return 1;

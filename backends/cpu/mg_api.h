@@ -3,7 +3,10 @@
  * so it must stay plain declarations (no #include, no #if). */
 #define MG_MAX_SRC 7
 
-enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3 };
+/* the backend's own type codes (Python maps minigraph types to them); the block types have ggml's
+ * byte layouts (quant.h). MG_Q8_K and MG_Q8_0X only appear in MUL_MAT's work buffer. */
+enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3, MG_BF16 = 4, MG_Q4_0 = 5, MG_Q8_0 = 6,
+               MG_Q4_K = 7, MG_Q6_K = 8, MG_Q8_K = 9, MG_Q8_0X = 10 };
 
 enum mg_status { MG_OK = 0, MG_ERR_INDEX = 1, MG_ERR_OP = 2 };
 
@@ -51,5 +54,11 @@ void mg_pool_stats(int64_t out[5]);
 /* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
 void mg_debug_worker_delay(int64_t ns);
 int mg_max_threads(void);   /* the CPUs this process may run on */
+int mg_thread_limit(void);  /* the most threads one plan run uses (the pool's size) */
+int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */
+/* MUL_MAT with weights of type t (enum mg_type) and an f32 src1: the type code of src1's rows
+ * once converted (-1: no conversion, f32 weights) and the bytes of one converted row of k values */
+int mg_work_type(int t);
+int64_t mg_work_row_bytes(int t, int64_t k);
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);

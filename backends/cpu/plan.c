@@ -98,22 +98,30 @@ int mg_max_threads(void) {
 }
 
 /* ---- chunking policy ---- */
-static int64_t PAR_MIN_COST = 64 << 10;    /* below this many bytes-equivalent a node is one chunk */
-static int64_t CHUNK_MIN_COST = 16 << 10;  /* and no chunk gets less than this */
+/* Below PAR_MIN_COST bytes-equivalent a node is one chunk on the caller's thread: handing part
+ * of a node that small to a worker costs more than it saves once the other core is busy (an
+ * ssm_conv decode step, 144 KiB, took 7.5 us on one thread and 16 us split in two under
+ * contention, bench/ops.py), and saves well under a microsecond on a quiet machine. */
+#define PAR_MIN_COST_DEFAULT (192 << 10)
+#define CHUNK_MIN_COST_DEFAULT (16 << 10)
+static int64_t PAR_MIN_COST = PAR_MIN_COST_DEFAULT;
+static int64_t CHUNK_MIN_COST = CHUNK_MIN_COST_DEFAULT;  /* no chunk gets less than this */
 
 /* tests: (0, 0) splits every node into CHUNKS_PER_THREAD chunks per thread; negative: default */
 void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost) {
-    PAR_MIN_COST = par_min_cost < 0 ? 64 << 10 : par_min_cost;
-    CHUNK_MIN_COST = chunk_min_cost < 0 ? 16 << 10 : chunk_min_cost;
+    PAR_MIN_COST = par_min_cost < 0 ? PAR_MIN_COST_DEFAULT : par_min_cost;
+    CHUNK_MIN_COST = chunk_min_cost < 0 ? CHUNK_MIN_COST_DEFAULT : chunk_min_cost;
 }
 #define CHUNKS_PER_THREAD 4          /* dynamic balance: a late thread leaves at most ~1/4 of its share */
 #define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
 #define MAX_THREADS 512
 
+int mg_thread_limit(void) { return MAX_THREADS; }
+
 static int64_t tensor_bytes(const mg_tensor *t) {
     if (t->data == NULL) return 0;
     int64_t n = mg_nelements(t);
-    return n > 0 ? n * mg_type_size(t->type) : 0;
+    return n > 0 ? n / mg_blck_size(t->type) * mg_type_size(t->type) : 0;
 }
 
 /* the work of a node in bytes-equivalent: bytes read and written, plus one per multiply-add of

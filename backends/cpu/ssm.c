@@ -160,6 +160,35 @@ static inline __attribute__((always_inline)) void conv_job16_256(const float *co
 #define CONV_HAVE_VEC 1
 #endif
 
+#if defined(__AVX2__)
+/* decode with 4 taps, rows of taps back to back in x and w: 8 channels per step. The products
+ * x*w are formed in place (channel pairs per vector), a 4x4 transpose per 128-bit half gives one
+ * vector per tap, and each lane adds ((0 + p0) + p1) + p2) + p3 like the scalar loop; a lane
+ * permutation restores channel order. Returns the first channel not done. */
+static int64_t conv_decode4_avx2(const float *x, const float *w, float *o, int64_t c0, int64_t c1) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {
+        const float *xi = x + 4 * i, *wi = w + 4 * i;
+        const __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xi), _mm256_loadu_ps(wi));            /* ch i, i+1 */
+        const __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xi + 8), _mm256_loadu_ps(wi + 8));    /* i+2, i+3 */
+        const __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(xi + 16), _mm256_loadu_ps(wi + 16));  /* i+4, i+5 */
+        const __m256 p3 = _mm256_mul_ps(_mm256_loadu_ps(xi + 24), _mm256_loadu_ps(wi + 24));  /* i+6, i+7 */
+        const __m256 t0 = _mm256_unpacklo_ps(p0, p1), t1 = _mm256_unpackhi_ps(p0, p1);
+        const __m256 t2 = _mm256_unpacklo_ps(p2, p3), t3 = _mm256_unpackhi_ps(p2, p3);
+        /* per half: tap k of channels (i, i+2, i+4, i+6) low, (i+1, i+3, i+5, i+7) high */
+        const __m256 k0 = _mm256_shuffle_ps(t0, t2, 0x44), k1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        const __m256 k2 = _mm256_shuffle_ps(t1, t3, 0x44), k3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        __m256 acc = _mm256_add_ps(_mm256_setzero_ps(), k0);
+        acc = _mm256_add_ps(acc, k1);
+        acc = _mm256_add_ps(acc, k2);
+        acc = _mm256_add_ps(acc, k3);
+        _mm256_storeu_ps(o + i, _mm256_permutevar8x32_ps(acc, order));
+    }
+    return i;
+}
+#endif
+
 void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
     const mg_tensor *sx = &n->src[0];
     const mg_tensor *c = &n->src[1];
@@ -193,7 +222,11 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
                 /* rows of 4 taps packed back to back in both: constant strides vectorise */
                 const float *x = (const float *)mg_ptr(sx, t0, 0, s, 0);            /* [4, d_inner] */
                 const float *w = (const float *)c->data;                            /* [4, d_inner] */
-                for (int64_t i = c0; i < c1; i++) {
+                int64_t i = c0;
+#if defined(__AVX2__)
+                i = conv_decode4_avx2(x, w, o, c0, c1);
+#endif
+                for (; i < c1; i++) {
                     float acc = 0.0f;
                     acc = acc + x[4 * i + 0] * w[4 * i + 0];
                     acc = acc + x[4 * i + 1] * w[4 * i + 1];
@@ -295,6 +328,106 @@ void mg_k_ssm_conv(const mg_node *n, int ith, int nth) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* The scans' inner loops over one state row, vectorised along the row (8 lanes with AVX, a
+ * scalar loop without). Each element's update is rounded as the scalar form (multiply, then add,
+ * no FMA); the dot products sum in two 8-lane accumulators (even and odd vectors), then the
+ * lanes in a fixed order, then the scalar tail: a row's result depends on that row's data alone,
+ * never on the other sequences, heads or the thread count (batch invariance). */
+#if defined(__AVX__)
+static inline float scan_hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+#endif
+
+/* sp[i] = sp[i] * (av ? av[i] : a) + b[i] * c; returns sum_i sp[i] * w[i] */
+static inline float scan_update_dot(float *restrict sp, const float *restrict av, float a, const float *restrict b,
+                                    float c, const float *restrict w, int64_t n) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX__)
+    if (n >= 16) {
+        const __m256 va = _mm256_set1_ps(a), vc = _mm256_set1_ps(c);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            __m256 s0 = _mm256_loadu_ps(sp + i), s1 = _mm256_loadu_ps(sp + i + 8);
+            const __m256 a0 = av ? _mm256_loadu_ps(av + i) : va, a1 = av ? _mm256_loadu_ps(av + i + 8) : va;
+            s0 = _mm256_add_ps(_mm256_mul_ps(s0, a0), _mm256_mul_ps(_mm256_loadu_ps(b + i), vc));
+            s1 = _mm256_add_ps(_mm256_mul_ps(s1, a1), _mm256_mul_ps(_mm256_loadu_ps(b + i + 8), vc));
+            _mm256_storeu_ps(sp + i, s0);
+            _mm256_storeu_ps(sp + i + 8, s1);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(s0, _mm256_loadu_ps(w + i)));
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(s1, _mm256_loadu_ps(w + i + 8)));
+        }
+        acc = scan_hsum8(_mm256_add_ps(acc0, acc1));
+    }
+#endif
+    for (; i < n; i++) {
+        sp[i] = sp[i] * (av ? av[i] : a) + b[i] * c;
+        acc += sp[i] * w[i];
+    }
+    return acc;
+}
+
+/* m[i] = m[i] * (gv ? gv[i] : g); returns sum_i m[i] * k[i] */
+static inline float scan_scale_dot(float *restrict m, const float *restrict gv, float g, const float *restrict k,
+                                   int64_t n) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX__)
+    if (n >= 16) {
+        const __m256 vg = _mm256_set1_ps(g);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            const __m256 g0 = gv ? _mm256_loadu_ps(gv + i) : vg, g1 = gv ? _mm256_loadu_ps(gv + i + 8) : vg;
+            const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(m + i), g0);
+            const __m256 m1 = _mm256_mul_ps(_mm256_loadu_ps(m + i + 8), g1);
+            _mm256_storeu_ps(m + i, m0);
+            _mm256_storeu_ps(m + i + 8, m1);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(m0, _mm256_loadu_ps(k + i)));
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(m1, _mm256_loadu_ps(k + i + 8)));
+        }
+        acc = scan_hsum8(_mm256_add_ps(acc0, acc1));
+    }
+#endif
+    for (; i < n; i++) {
+        m[i] = m[i] * (gv ? gv[i] : g);
+        acc += m[i] * k[i];
+    }
+    return acc;
+}
+
+/* m[i] = m[i] + d * k[i]; returns sum_i m[i] * q[i] */
+static inline float scan_axpy_dot(float *restrict m, float d, const float *restrict k, const float *restrict q,
+                                  int64_t n) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX__)
+    if (n >= 16) {
+        const __m256 vd = _mm256_set1_ps(d);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            const __m256 m0 = _mm256_add_ps(_mm256_loadu_ps(m + i), _mm256_mul_ps(vd, _mm256_loadu_ps(k + i)));
+            const __m256 m1 = _mm256_add_ps(_mm256_loadu_ps(m + i + 8), _mm256_mul_ps(vd, _mm256_loadu_ps(k + i + 8)));
+            _mm256_storeu_ps(m + i, m0);
+            _mm256_storeu_ps(m + i + 8, m1);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(m0, _mm256_loadu_ps(q + i)));
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(m1, _mm256_loadu_ps(q + i + 8)));
+        }
+        acc = scan_hsum8(_mm256_add_ps(acc0, acc1));
+    }
+#endif
+    for (; i < n; i++) {
+        m[i] = m[i] + d * k[i];
+        acc += m[i] * q[i];
+    }
+    return acc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* SSM_SCAN (Mamba-2, A [1, n_head]; Mamba-1, A [d_state, n_head] with K == 1):
  *   s   = src[0] [d_state, head_dim, n_head, rows] contiguous (states, picked by ids)
  *   x   = src[1] [head_dim, n_head, T, n_seqs], dense in dims 0-1
@@ -349,16 +482,8 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
             float *y = out + ((q * T + t) * nh + h) * hd;                           /* [hd] */
             if (!mamba1) {
                 const float dA = expf(dsp * mg_load_f32(mg_ptr(A, 0, h, 0, 0)));
-                for (int64_t p = 0; p < hd; p++) {
-                    const float xdt = xr[p] * dsp;
-                    float *sp = st + p * ds;
-                    float acc = 0.0f;
-                    for (int64_t i = 0; i < ds; i++) {
-                        sp[i] = sp[i] * dA + Br[i] * xdt;
-                        acc += sp[i] * Cr[i];
-                    }
-                    y[p] = acc;
-                }
+                for (int64_t p = 0; p < hd; p++)
+                    y[p] = scan_update_dot(st + p * ds, NULL, dA, Br, xr[p] * dsp, Cr, ds);
             } else {
                 float dAbuf[256];                                                   /* exp(dsp * A[:, h]) */
                 if (ds <= 256)
@@ -366,9 +491,13 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
                 for (int64_t p = 0; p < hd; p++) {
                     const float xdt = xr[p] * dsp;
                     float *sp = st + p * ds;
+                    if (ds <= 256) {
+                        y[p] = scan_update_dot(sp, dAbuf, 0.0f, Br, xdt, Cr, ds);
+                        continue;
+                    }
                     float acc = 0.0f;
                     for (int64_t i = 0; i < ds; i++) {
-                        const float dA = ds <= 256 ? dAbuf[i] : expf(dsp * mg_load_f32(mg_ptr(A, i, h, 0, 0)));
+                        const float dA = expf(dsp * mg_load_f32(mg_ptr(A, i, h, 0, 0)));
                         sp[i] = sp[i] * dA + Br[i] * xdt;
                         acc += sp[i] * Cr[i];
                     }
@@ -427,16 +556,14 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
                 float *Mj = M + j * S;                                              /* [S] */
                 float kv = 0.0f;
                 if (kda && S <= 256) {
-                    for (int64_t i = 0; i < S; i++) { Mj[i] = Mj[i] * gbuf[i]; kv += Mj[i] * k[i]; }
+                    kv = scan_scale_dot(Mj, gbuf, 0.0f, k, S);
                 } else if (kda) {
                     for (int64_t i = 0; i < S; i++) { Mj[i] = Mj[i] * expf(g[i]); kv += Mj[i] * k[i]; }
                 } else {
-                    for (int64_t i = 0; i < S; i++) { Mj[i] = Mj[i] * g0; kv += Mj[i] * k[i]; }
+                    kv = scan_scale_dot(Mj, NULL, g0, k, S);
                 }
                 const float delta = (v[j] - kv) * beta;
-                float qv = 0.0f;
-                for (int64_t i = 0; i < S; i++) { Mj[i] = Mj[i] + delta * k[i]; qv += Mj[i] * q[i]; }
-                o[j] = scale * qv;
+                o[j] = scale * scan_axpy_dot(Mj, delta, k, q, S);
             }
             const int64_t slot = T - 1 - t;
             if (slot >= 1 && slot < K)

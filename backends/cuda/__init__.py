@@ -20,6 +20,7 @@ import re
 import numpy as np
 
 from minigraph.backend import GUARD_BYTE, Backend, Buffer, is_compute_node, register_backend
+from minigraph.alloc import allocation_error
 from minigraph.errors import OpError
 from minigraph.ops.elementwise import BINARY, UNARY
 from minigraph.ops.index import check_indices
@@ -152,10 +153,11 @@ class Opnd:
         return [np.int64(x) for x in self.nb]
 
     def contiguous(self) -> bool:
-        nxt = self.type.size
-        if self.ne[0] != 1 and self.nb[0] != nxt:
+        nxt = self.type.size                     # bytes of one element, or of one block
+        ne0 = self.ne[0] // self.type.blck_size
+        if ne0 != 1 and self.nb[0] != nxt:
             return False
-        nxt *= self.ne[0]
+        nxt *= ne0
         for i in range(1, 4):
             if self.ne[i] != 1:
                 if self.nb[i] != nxt:
@@ -208,20 +210,27 @@ def _rows_per_lane(n: int) -> int:
 class CudaBackend(Backend):
     """Device ``cuda:N``. ``device`` replaces the CuPy device (tests pass emu.EmuDevice())."""
 
+    # bf16 and block types (and f16 weights) the kernels take (quant.cu: get_rows, mul_mat, cpy)
+    wide_types = frozenset({"f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k"})
+
     def __init__(self, index: int = 0, device=None):
         self.index = index
         self.name = f"cuda:{index}"
         self.dev = device if device is not None else CupyDevice(index)
 
     # -- memory ---------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
-        return Buffer(self, nbytes, usage, self.dev.alloc(max(nbytes, 1)))
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        try:
+            mem = self.dev.alloc(max(nbytes, 1))
+        except MemoryError:          # CuPy's OutOfMemoryError is one: name the tensor instead
+            raise allocation_error(nbytes, self.name, tensors, "the device is out of memory") from None
+        return Buffer(self, nbytes, usage, mem)
 
     def _opnd(self, t) -> Opnd:
         buf, offs = t.storage()
         if buf.backend is not self:
             raise OpError(f"tensor {t.label} lives on {buf.backend.name}, not {self.name}")
-        size = t.type.size
+        size = 2 if t.type.is_quantized else t.type.size   # block kernels read bytes and f16 fields
         if offs % size or any(b % size for n, b in zip(t.ne, t.nb) if n > 1):
             raise OpError(f"tensor {t.label} (offset {offs}, nb={list(t.nb)}) is not aligned to its "
                           f"{size}-byte elements, which {self.name} needs")
@@ -233,11 +242,23 @@ class CudaBackend(Backend):
         keep.append(mem)
         return Opnd(self.dev.ptr(mem), type, ne, contiguous_strides(type, ne))
 
+    def _block_rows(self, t):
+        """(buffer, byte offset of each row) of a block-type tensor: rows are whole blocks."""
+        buf, offs = t.storage()
+        return buf, [offs + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3]
+                     for i3 in range(t.ne[3]) for i2 in range(t.ne[2]) for i1 in range(t.ne[1])]
+
     def write_tensor(self, t, array: np.ndarray):
         if t.nelements() == 0:
             return
         data = np.ascontiguousarray(array, t.type.np_dtype).reshape(-1).view(np.uint8)
         dst = self._opnd(t)
+        if t.type.is_quantized and not dst.contiguous():   # raw rows, one upload each
+            buf, rows = self._block_rows(t)
+            rs = t.row_size()
+            for i, o in enumerate(rows):
+                self.dev.upload(buf.mem, o, data[i * rs:(i + 1) * rs])
+            return
         with self.dev.context():
             if dst.contiguous():
                 buf, offs = t.storage()
@@ -250,10 +271,15 @@ class CudaBackend(Backend):
 
     def read_tensor(self, t) -> np.ndarray:
         shape = tuple(reversed(t.ne))
+        if t.type.is_quantized:   # raw blocks, [ne3, ne2, ne1, row bytes] as the host backends give
+            shape = (t.ne[3], t.ne[2], t.ne[1], t.row_size())
         if t.nelements() == 0:
             return np.zeros(shape, t.type.np_dtype)
         src = self._opnd(t)
-        nbytes = t.nelements() * t.type.size
+        nbytes = t.nelements() // t.type.blck_size * t.type.size
+        if t.type.is_quantized and not src.contiguous():
+            buf, rows = self._block_rows(t)
+            return np.concatenate([self.dev.download(buf.mem, o, t.row_size()) for o in rows]).reshape(shape)
         with self.dev.context():
             if src.contiguous():
                 buf, offs = t.storage()
@@ -349,6 +375,10 @@ class CudaBackend(Backend):
         n = dst.n
         if n == 0:
             return
+        if dst.type.is_quantized:   # f32 -> q8_0 / q4_0: one thread per block of the (contiguous) dst
+            nblk = n // dst.type.blck_size
+            self._flat(f"cpy_f32_{dst.type.name}", nblk, divs(src.ne) + [src.p()] + src.strides() + [dst.p()])
+            return
         if src.type == dst.type:
             size = src.type.size
             if src.contiguous() and dst.contiguous():
@@ -423,7 +453,7 @@ def _op_get_rows(be, node, ops):
         idx = be.read_tensor(srcs_of(node)["b"])[0]
         check_indices("GET_ROWS", node, "b", idx, a.ne[1])
         raise OpError(f"GET_ROWS {node.label}: an index in {srcs_of(node)['b'].label} is out of range [0, {a.ne[1]})")
-    kernel = "get_rows_f16_f32" if a.type == f16 else "get_rows_b4"
+    kernel = "get_rows_b4" if a.type.size == 4 and not a.type.is_quantized else f"get_rows_{a.type.name}_f32"
     be._flat(kernel, d.n, divs(d.ne) + [a.p()] + a.strides() + [b.p()] + b.strides() + [d.p()] + d.strides())
 
 
@@ -530,9 +560,30 @@ def _op_flash_attn_ext(be, node, ops):
                   np.float32(p["max_bias"]), np.float32(p["logit_softcap"])])
 
 
+def _mul_mat_weights(be, node, ops):
+    """MUL_MAT with f16 / bf16 / block weights (quant.cu): src1's rows converted to the weights'
+    vec_dot_type into scratch, then one warp per output element."""
+    a, b, d = ops["a"], ops["b"], ops["dst"]
+    K = a.ne[0]
+    vt = a.type.vec_dot_type
+    rows = b.ne[1] * b.ne[2] * b.ne[3]
+    row_bytes = vt.row_size(K)
+    scratch = be.dev.scratch(rows * row_bytes)
+    per_row = K // vt.blck_size
+    be._flat(f"src1_to_{vt.name}", rows * per_row,
+             [np.int64(per_row)] + divs((b.ne[1], b.ne[2], b.ne[3], 1)) + [b.p()] + b.strides()
+             + [Ptr(be.dev.ptr(scratch)), np.int64(row_bytes)])
+    be._launch(f"mul_mat_{a.type.name}", (_cdiv(d.n, 8), 1, 1), (32, 8, 1),   # a warp per output
+               [np.int64(d.n)] + divs(d.ne) + [np.int64(K), np.int64(b.ne[2] // a.ne[2]),
+                                               np.int64(b.ne[3] // a.ne[3]), a.p()]
+               + a.strides() + [Ptr(be.dev.ptr(scratch)), np.int64(row_bytes), d.p()] + d.strides())
+
+
 @runs("MUL_MAT")
 def _op_mul_mat(be, node, ops):
     a, b, d = ops["a"], ops["b"], ops["dst"]
+    if a.type != f32:
+        return _mul_mat_weights(be, node, ops)
     M, N, K = a.ne[1], b.ne[1], a.ne[0]
     be._launch("mul_mat_f32", (_cdiv(M, 16), _cdiv(N, 16), b.ne[2] * b.ne[3]), (16, 16, 1),
                [np.int64(x) for x in (M, N, K, b.ne[2], b.ne[3], b.ne[2] // a.ne[2], b.ne[3] // a.ne[3])]

@@ -197,5 +197,8 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline int __float2int_rn(float x) { return (int)nearbyintf(x); }   // ties to even
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 
 #endif  // MG_EMU_H

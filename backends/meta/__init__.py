@@ -103,8 +103,8 @@ class MetaBackend(Backend):
         return out
 
     # -- memory -------------------------------------------------------------------------------
-    def alloc_buffer(self, nbytes: int, usage: str) -> Buffer:
-        return Buffer(self, nbytes, usage, [d.alloc_buffer(nbytes, usage) for d in self.devices])
+    def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
+        return Buffer(self, nbytes, usage, [d.alloc_buffer(nbytes, usage, tensors) for d in self.devices])
 
     def bind_tensors(self, buf: Buffer, tensors):
         """Hook called by alloc_ctx_tensors: remember the weights/caches in buf and derive their

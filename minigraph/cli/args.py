@@ -52,10 +52,3 @@ def writable_path(flag: str, path: str | None) -> None:
         fail(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         fail(f"{flag} {path}: the folder {folder} is not writable")
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"

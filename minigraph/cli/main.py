@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import bench, check, placement, quantize, reuse, run
+from . import bench, check, placement, quantize, reuse, rpc_server, run
 from .args import Parser
 
 DESCRIPTION = ("Run tiny recurrent models with speculative drafts and rollbacks, show where "
@@ -34,7 +34,7 @@ def build_parser() -> Parser:
     ap.add_argument("--version", action="version", version=f"minigraph {version()}",
                     help="print the version and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for module in (run, placement, reuse, check, bench, quantize):
+    for module in (run, placement, reuse, check, bench, quantize, rpc_server):
         module.add_parser(sub)
     return ap
 

@@ -13,10 +13,9 @@ The estimate is meant to be within a small factor: enough to refuse a run that w
 a machine with 8, not to account for every byte."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .args import human_bytes
+from minigraph.alloc import available_bytes, human_bytes
 
 MEM_SIZE = 2          # the cells the commands give each runner's memory (session.make_runner)
 F32 = 4
@@ -65,22 +64,6 @@ def estimate(make_probe, n_layer: int, n_rs_seq: int, n_ubatch: int, runners: in
     state = n_layer * MEM_SIZE * (n_rs_seq + 1) * per_layer_row * F32
     compute = n_ubatch * (m.n_vocab + 16 * m.n_embd) * F32 * 4
     return Estimate(weights, state, compute, runners, state_copies)
-
-
-def available_bytes() -> tuple[int | None, str]:
-    """(bytes, where the figure came from): MemAvailable from /proc/meminfo, else the free
-    physical pages from os.sysconf; (None, why) when neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "available memory (MemAvailable in /proc/meminfo)"
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free memory (os.sysconf)"
-    except (ValueError, OSError, AttributeError):
-        return None, "unknown"
 
 
 def check(est: Estimate, max_memory: int | None, culprits: str) -> None:

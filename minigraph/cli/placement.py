@@ -32,6 +32,10 @@ def add_parser(sub):
                         + "; ".join(f"{k}: {v}" for k, v in FOCUS_PRESETS.items())
                         + "; anything else is a regular expression on node names")
     p.add_argument("--verbose", action="store_true", help="also list every node's device and cause")
+    p.add_argument("--compare-ggml", action="store_true",
+                   help="also ask ggml's own scheduler (ggml_backend_sched) to place the same graph over the same "
+                        "devices (ggml devices only, ending with ggml:cpu) and list every node it places "
+                        "differently, with minigraph's cause, and both split and copy counts")
     p.set_defaults(fn=cmd_placement)
 
 
@@ -197,9 +201,23 @@ def cmd_placement(args):
             sm = results[s][2]
             print(f"{s:20s} {sm['slot_order_copies']:18d} {sm['copies']:7d} {sm['all_reduces']:12d} "
                   f"{sm['transfer_bytes']:8d}")
+    if args.compare_ggml:
+        for s in strategies:
+            res = results[s][0]
+            print(f"== ggml's scheduler, slot order {s}")
+            print(compare_with_ggml(res, devices))
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def compare_with_ggml(res, devices) -> str:
+    from minigraph.backends.ggml.sched_compare import compare
+    from minigraph.errors import OpError
+    try:
+        return compare(res.gf, res.sched.scheduled, devices).format()
+    except OpError as e:
+        fail(str(e))
 
 
 def _reasons_used(rep) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from minigraph.models.zoo import MODELS
 
@@ -26,7 +27,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ubatch", type=int_at_least(1), default=None,
                    help="tokens per ubatch; must be >= n_rs_seq + 2 when rollback is on "
                         "(default: max(8, n_rs_seq + 2))")
-    p.add_argument("--threads", type=int_at_least(0), default=0, help="CPU threads per device (default 0: all cores)")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="CPU threads per device, 1 to 512 (default: all cores; more than the cores is "
+                        "allowed with a warning)")
     p.add_argument("--layers", type=int_at_least(1), default=None,
                    help="number of layers (default: the model's); not with --gguf")
     p.add_argument("--seed", type=int_at_least(0), default=None,
@@ -83,10 +86,7 @@ def setup(args, runners: int, state_copies: int = 0, max_tokens: int | None = No
         tokens = args.ubatch if max_tokens is None else min(args.ubatch, max_tokens)
         est = memory.estimate(make_probe, n_layer, n_rs_seq, tokens, runners, state_copies)
         memory.check(est, args.max_memory, "--n-rs-seq, --layers or --ubatch")
-        if args.threads:
-            for d in devices:
-                if hasattr(d, "set_n_threads"):
-                    d.set_n_threads(args.threads)
+        _set_threads(devices, args.threads)
         kw = {"n_layer": args.layers} if args.layers else {}
         model = make_model(args.model, devices, seed=args.seed or 0, gguf=args.gguf, **kw)
     except UsageError as e:
@@ -97,6 +97,25 @@ def setup(args, runners: int, state_copies: int = 0, max_tokens: int | None = No
             d.set_split_state(recipe_for(model))
     label = args.model or zoo_name(getattr(model, "gguf_arch", None) or model.arch) or model.arch
     return devices, model, label
+
+
+def _set_threads(devices, threads: int | None) -> None:
+    """--threads on every device that has a thread count: a value the device refuses stops the
+    command (exit 2), and its warning (more threads than cores) is one line naming the flag."""
+    import warnings
+    if threads is None:
+        return
+    for d in devices:
+        if not hasattr(d, "set_n_threads"):
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                d.set_n_threads(threads)
+            except ValueError as e:
+                fail(f"argument --threads: {e}")
+        for w in caught:
+            print(f"minigraph: warning: --threads {threads}: {w.message}", file=sys.stderr)
 
 
 def _check_ubatch(args, n_rs_seq: int) -> None:

@@ -2,9 +2,9 @@
 through cffi ABI mode and read its outputs back as NumPy arrays.
 
 Every minigraph node is translated into the matching ggml constructor from its op's declaration
-(`OpDef.ggml`: a `GgmlCall` naming the function and its argument order, or an override for the
-few odd ones), and the cffi declarations of those constructors are derived from the same data. A failed GGML_ASSERT aborts the whole process, so anything ggml refuses is
-checked here first and raised as `GgmlRefuses`; ops with no ggml counterpart raise
+(`OpDef.ggml`), by the lowering the ggml backend uses too (minigraph.backends.ggml.lowering),
+which also derives the cffi declarations of those constructors from the same data. A failed
+GGML_ASSERT aborts the whole process, so anything ggml refuses is checked here first and raised as `GgmlRefuses`; ops with no ggml counterpart raise
 NotImplementedError. After building, each ggml tensor's type, ne, nb and view offset are compared
 with minigraph's, so a shape rule that disagrees with ggml fails loudly instead of silently.
 """
@@ -17,85 +17,32 @@ import numpy as np
 from cffi import FFI
 
 from minigraph.graph import Graph
-from minigraph.registry import OPS, GgmlCall, NotInGgml
+from minigraph.backends.ggml.lowering import (CDEF_TENSOR, GgmlBuilder, cdef_for_ops, layout_mismatch,
+                                               translate, translation_problem)
+from minigraph.registry import OPS
 from minigraph.types import ALL_TYPES, bf16, f16, f32, from_ggml_id, i32, q4_0, q8_0
 
-_T = "struct ggml_tensor *"
-
-# the runtime: context, graph, compute, and the two constructors the driver itself calls
-_CDEF_CORE = f"""
-struct ggml_context;
-struct ggml_cgraph;
-struct ggml_init_params {{ size_t mem_size; void * mem_buffer; bool no_alloc; }};
-struct ggml_tensor {{
-    int type; void * buffer; int64_t ne[4]; size_t nb[4]; int op; int32_t op_params[16];
-    int32_t flags; struct ggml_tensor * src[10]; struct ggml_tensor * view_src; size_t view_offs;
-    void * data; char name[64]; void * extra; char padding[8];
-}};
-struct ggml_cplan {{
+# the runtime the driver itself calls on top of the lowering's declarations
+_CDEF_CORE = """
+struct ggml_cplan {
     size_t work_size; uint8_t * work_data; int n_threads; void * threadpool;
     void * abort_callback; void * abort_callback_data; bool use_ref;
-}};
-struct ggml_context * ggml_init(struct ggml_init_params params);
-void ggml_free(struct ggml_context * ctx);
-size_t ggml_tensor_overhead(void);
-size_t ggml_graph_overhead_custom(size_t size, bool grads);
-size_t ggml_nbytes(const struct ggml_tensor * t);
-struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
-void ggml_build_forward_expand(struct ggml_cgraph * g, {_T} t);
+};
 void ggml_cpu_init(void);
 struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph * g, int n_threads, void * threadpool);
 int ggml_graph_compute(struct ggml_cgraph * g, struct ggml_cplan * cplan);
-{_T} ggml_new_tensor(struct ggml_context * ctx, int type, int n_dims, const int64_t * ne);
 size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
                            int64_t n_per_row, const float * imatrix);
 void ggml_quantize_init(int type);
-struct ggml_type_traits {{
+struct ggml_type_traits {
     const char * type_name; int64_t blck_size; int64_t blck_size_interleave; size_t type_size;
     bool is_quantized; void (*to_float)(const void * x, float * y, int64_t k);
     void (*from_float_ref)(const float * x, void * y, int64_t k);
-}};
+};
 const struct ggml_type_traits * ggml_get_type_traits(int type);
 void quantize_row_q8_K_ref(const float * x, void * y, int64_t k);
 void dequantize_row_q8_K(const void * x, float * y, int64_t k);
 """
-
-_DEFAULT_CTYPE = {float: "float", int: "int", bool: "bool", tuple: "int"}
-
-
-def _call_arg_ctypes(d, call: GgmlCall) -> list:
-    """The C types of a GgmlCall's arguments (after ctx), from the op's sources and params."""
-    out = []
-    for name in call.args:
-        if name == "@ne":
-            out += ["int64_t"] * 4
-        elif name in d.srcs:
-            out.append(_T)
-        elif name in d.params:
-            ctype = call.ctypes.get(name, _DEFAULT_CTYPE.get(d.params[name]))
-            if ctype is None:
-                raise TypeError(f"{d.name}: ggml argument '{name}' has no C type (param type {d.params[name]})")
-            out += [ctype] * (4 if d.params[name] is tuple else 1)
-        else:
-            raise TypeError(f"{d.name}: ggml argument '{name}' is neither a source, a param nor '@ne'")
-    return out
-
-
-def cdef_for_ops(ops) -> str:
-    """The declarations of every ggml constructor the ops' GgmlCalls use (and their _inplace
-    variants where the op has an `inplace` param), one per function."""
-    decls = {}
-    for d in ops.values():
-        call = d.ggml
-        if not isinstance(call, GgmlCall):
-            continue
-        if call.override is not None:
-            decls[f"override:{d.name}"] = call.cdef
-            continue
-        args = "".join(f", {t} x{i}" for i, t in enumerate(_call_arg_ctypes(d, call)))
-        for sfx in ("", "_inplace") if "inplace" in d.params else ("",):
-            decls[call.fn + sfx] = f"{_T} ggml_{call.fn}{sfx}(struct ggml_context * ctx{args});\n"
-    return "".join(decls.values())
 
 
 def _load():
@@ -104,7 +51,7 @@ def _load():
         raise ImportError("libggml-python is not installed (pip install libggml-python==0.20.2.post1)")
     libdir = os.path.join(list(spec.submodule_search_locations)[0], "lib64")
     ffi = FFI()
-    ffi.cdef(_CDEF_CORE + cdef_for_ops(OPS), override=True)
+    ffi.cdef(CDEF_TENSOR + _CDEF_CORE + cdef_for_ops(OPS), override=True)
     base = ffi.dlopen(os.path.join(libdir, "libggml-base.so"), ffi.RTLD_NOW | ffi.RTLD_GLOBAL)
     cpu = ffi.dlopen(os.path.join(libdir, "libggml-cpu.so"))
     return ffi, base, cpu
@@ -177,57 +124,12 @@ _CHECKS = {
 }
 
 
-# -- translation: the op's GgmlCall, interpreted --------------------------------------------------
-class GgmlBuilder:
-    """What an override sees: ``call(fn, *args, inplace=False)`` runs ggml_<fn>[_inplace](ctx,
-    *args); ``lib`` and ``ffi`` for anything else."""
-
-    def __init__(self, ctx):
-        self.ctx, self.lib, self.ffi = ctx, lib, ffi
-
-    def call(self, fn: str, *args, inplace: bool = False):
-        return getattr(lib, f"ggml_{fn}{'_inplace' if inplace else ''}")(self.ctx, *args)
-
-
-def translation_problem(opname: str) -> str | None:
-    """None when the oracle can build op ``opname`` in ggml, else why not."""
-    d = OPS[opname]
-    if isinstance(d.ggml, NotInGgml):
-        return f"{opname} is not in ggml: {d.ggml.reason}"
-    if not isinstance(d.ggml, GgmlCall):
-        return f"{opname} declares no ggml translation (OpDef.ggml)"
-    if d.ggml.override is None and not d.ggml.fn:
-        return f"{opname}: GgmlCall names no function and no override"
-    return None
-
-
-def translate(g: GgmlBuilder, node, src):
-    """The ggml tensor for ``node``; ``src(name)`` gives a source's ggml tensor."""
-    d = OPS[node.op]
-    call = d.ggml
-    if call.override is not None:
-        return call.override(g, node, src)
-    args = []
-    for name in call.args:
-        if name == "@ne":
-            args += list(node.ne)
-        elif name in d.srcs:
-            args.append(src(name) if name in node.srcs else ffi.NULL)
-        elif d.params[name] is tuple:
-            args += list(node.params[name])
-        else:
-            args.append(node.params[name])
-    return g.call(call.fn, *args, inplace=bool(node.params.get("inplace")))
-
-
 # -- driving ------------------------------------------------------------------------------------
 def _check_same_layout(t, g):
     """The ggml tensor must have minigraph's type, extents, strides and view offset."""
-    got = (g.type, tuple(g.ne), tuple(g.nb), g.view_offs if g.view_src != ffi.NULL else 0)
-    want = (t.type.ggml_id, t.ne, t.nb, t.view_offs)
-    if got != want:
-        raise AssertionError(f"{t.op} {t.label}: ggml made (type, ne, nb, view_offs) = {got}, "
-                             f"minigraph {want}")
+    problem = layout_mismatch(t, g, ffi)
+    if problem is not None:
+        raise AssertionError(problem)
 
 
 def _read(g, shape) -> np.ndarray:
@@ -278,7 +180,7 @@ def run_in_ggml(built, n_threads: int = 1) -> list[np.ndarray]:
             if data.size != want:
                 raise ValueError(f"leaf {leaf.label!r}: {data.size} values given for {want}")
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
-        builder = GgmlBuilder(ctx)
+        builder = GgmlBuilder(ctx, lib, ffi)
         for node in gf.nodes:
             src = lambda name, node=node: g[node.srcs[name]]  # noqa: E731
             t = g[node] = translate(builder, node, src)

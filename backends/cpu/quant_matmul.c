@@ -1,0 +1,470 @@
+/* MUL_MAT with f16, bf16 or block-quantized weights (src0) and an f32 operand (src1), the way
+ * ggml's CPU backend computes it (quant.h), in two plan records:
+ *
+ *   MUL_MAT:src1_to_dot_type  converts every row of src1 once into a work buffer of the weights'
+ *                             dot type (q8_0, q8_K, f16, bf16): threads split its rows;
+ *   MUL_MAT                   (this file's mg_mul_mat_blocks, reached from matmul.c when src0 is
+ *                             not f32) reads that buffer as its src1: each output is one dot
+ *                             product of a weight row with a converted row: integer products per
+ *                             block, scaled by the two blocks' scales, summed in f32.
+ * The Python side (backends/cpu/__init__.py) inserts the conversion record and owns the buffer.
+ *
+ * Why these dot products agree with ggml's: the per-block integer sums are exact, the scales are
+ * the same f32 products ggml forms, and on AVX2 the float accumulation follows ggml's own lanes
+ * and order (8 partial sums per row, one fma per block, one horizontal sum), so results are
+ * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only.
+ *
+ * Speed: matrix x vector is a stream over the weights (see QPF and CMAX below); with more src1
+ * rows, a weight row's blocks are unpacked once for two converted rows.
+ *
+ * Batch invariance: an output element is the same function of (weight row, converted row)
+ * whatever the thread, the chunk or the number of src1 rows: a pass over two columns only
+ * interleaves two independent chains, and a src1 row is converted on its own. */
+#include <stdlib.h>
+#include "quant.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MG_QAVX2 1
+#include <immintrin.h>
+#endif
+
+/* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
+ * 2048 measured 0-15% faster than none here (AMD EPYC Zen 3, 4096x4096 matrix x vector). */
+#ifndef QPF
+#define QPF 2048
+#endif
+#define PREFETCH(p) do { if (QPF) _mm_prefetch((const char *)(p) + QPF, _MM_HINT_T0); } while (0)
+
+/* A pass is one weight row against C (1 or 2) converted rows: the weight block is loaded and
+ * unpacked once for the C columns, each column with its own accumulators. (Sharing a converted
+ * row across 2-4 weight rows instead measured 0.6-0.9x: matrix x vector streams the weights.) */
+#define CMAX 2
+
+#if MG_QAVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ---- q8_0 weights x q8_0 rows ---- */
+static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const char *xrow, const void *const *ys,
+                                                           const int C, float *out) {
+    const mg_block_q8_0 *x = (const mg_block_q8_0 *)xrow;
+#if MG_QAVX2
+    __m256 acc[CMAX];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        PREFETCH(x + b);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        const __m256i ax = _mm256_sign_epi8(qx, qx);   /* |x| unsigned for maddubs, x's sign onto y */
+        const float dx = mg_fp16_to_fp32(x[b].d);
+        for (int c = 0; c < C; c++) {
+            /* y > -128 (converted rows never hold -128): no overflow in the sign flip; pairs stay
+             * below 2*128*127 (no int16 saturation) */
+            const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
+            const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y->qs), qx));
+            const __m256 d = _mm256_set1_ps(dx * mg_fp16_to_fp32(y->d));
+            acc[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
+#else
+    for (int c = 0; c < C; c++) {
+        const mg_block_q8_0 *y = ys[c];
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int isum = 0;
+            for (int j = 0; j < MG_QK8_0; j++) isum += x[b].qs[j] * y[b].qs[j];
+            s += (float)isum * (mg_fp16_to_fp32(x[b].d) * mg_fp16_to_fp32(y[b].d));
+        }
+        out[c] = s;
+    }
+#endif
+}
+
+/* ---- q4_0 weights x q8_0 rows (MG_Q8_0X layout, quant.h) ---- */
+static inline __attribute__((always_inline)) void dot_q4_0(int64_t nb, const char *xrow, const void *const *ys,
+                                                           const int C, float *out) {
+    const mg_block_q4_0 *x = (const mg_block_q4_0 *)xrow;
+    const int8_t *yq[CMAX];
+    const int16_t *ys8[CMAX];
+    const char *yd[CMAX];
+    for (int c = 0; c < C; c++) {
+        yq[c] = ys[c];
+        ys8[c] = (const int16_t *)(yq[c] + 32 * nb);
+        yd[c] = (const char *)(ys8[c] + 16 * nb);
+    }
+#if MG_QAVX2
+    __m256 acc[CMAX];
+    const __m256i lo4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        PREFETCH(x + b);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)x[b].qs);
+        /* low nibbles are values 0..15, high nibbles 16..31 */
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lo4);
+        const float dx = mg_fp16_to_fp32(x[b].d);
+        for (int c = 0; c < C; c++) {
+            /* pairs of nibble * y minus 8 * (pair of y): pairs of (nibble - 8) * y, as ggml's */
+            const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(nib, _mm256_loadu_si256((const __m256i *)(yq[c] + 32 * b))),
+                                               _mm256_loadu_si256((const __m256i *)(ys8[c] + 16 * b)));
+            const __m256 d = _mm256_set1_ps(dx * mg_load_f32(yd[c] + 4 * b));
+            acc[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
+#else
+    for (int c = 0; c < C; c++) {
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *y = yq[c] + 32 * b;
+            int isum = 0;
+            for (int j = 0; j < MG_QK4_0 / 2; j++) {
+                isum += ((x[b].qs[j] & 0xf) - 8) * y[j];
+                isum += ((x[b].qs[j] >> 4) - 8) * y[j + MG_QK4_0 / 2];
+            }
+            s += (float)isum * (mg_fp16_to_fp32(x[b].d) * mg_load_f32(yd[c] + 4 * b));
+        }
+        out[c] = s;
+    }
+#endif
+}
+
+/* the 8 scales and 8 mins of a q4_K block (6 bits each, packed in 12 bytes, quant.h) as bytes:
+ * sc[0..3] / m[0..3] are the low 6 bits of bytes 0..3 / 4..7; sc[4..7] / m[4..7] take their low 4
+ * bits from the nibbles of bytes 8..11 and their top 2 bits from the top bits of bytes 0..3 / 4..7 */
+static inline void q4_K_unpack(const uint8_t *s12, uint32_t sc[2], uint32_t m[2]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s12, 4); memcpy(&u1, s12 + 4, 4); memcpy(&u2, s12 + 8, 4);
+    sc[0] = u0 & 0x3f3f3f3fu;
+    m[0] = u1 & 0x3f3f3f3fu;
+    sc[1] = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+    m[1] = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+}
+
+/* ---- q4_K weights x q8_K rows ---- */
+static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const char *xrow, const void *const *ys,
+                                                           const int C, float *out) {
+    const mg_block_q4_K *x = (const mg_block_q4_K *)xrow;
+#if MG_QAVX2
+    __m256 acc[CMAX];
+    __m128 accm[CMAX];
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    for (int c = 0; c < C; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64);
+        uint32_t sc[2], m[2];
+        q4_K_unpack(x[b].scales, sc, m);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m[1], (int)m[0]));
+        const __m128i s16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]));
+        const __m256i scl = _mm256_set_m128i(s16, s16);   /* the 8 scales as int16, both halves */
+        const float xd = mg_fp16_to_fp32(x[b].d), xdmin = mg_fp16_to_fp32(x[b].dmin);
+        __m256i sumi[CMAX];
+        for (int c = 0; c < C; c++) {
+            const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
+            /* the sums of each 32 converted values (pairs of bsums), against the mins */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            const float dmin = -y->d * xdmin;
+            accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
+            sumi[c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * j));
+            const __m256i q4l = _mm256_and_si256(q4, lo4), q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), lo4);
+            /* int16 scales 2j and 2j+1 broadcast */
+            const __m256i sl = _mm256_shuffle_epi8(scl, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * j))));
+            const __m256i sh = _mm256_shuffle_epi8(scl, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * j + 1))));
+            for (int c = 0; c < C; c++) {
+                const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * j;
+                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8)));
+                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32))));
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        __m128 mm = _mm_add_ps(accm[c], _mm_movehl_ps(accm[c], accm[c]));
+        mm = _mm_add_ss(mm, _mm_movehdup_ps(mm));
+        out[c] = hsum8(acc[c]) + _mm_cvtss_f32(mm);
+    }
+#else
+    for (int c = 0; c < C; c++) {
+        const mg_block_q8_K *y = ys[c];
+        float s = 0.0f, smin = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            uint32_t sc4[2], m4[2];
+            q4_K_unpack(x[b].scales, sc4, m4);
+            const uint8_t *sc = (const uint8_t *)sc4, *m = (const uint8_t *)m4;
+            int isum = 0, imin = 0;
+            for (int j = 0; j < 8; j++) {
+                const int8_t *q8 = y[b].qs + 32 * j;
+                const uint8_t *q4 = x[b].qs + 32 * (j / 2);
+                int dj = 0;
+                for (int l = 0; l < 32; l++) dj += (j & 1 ? q4[l] >> 4 : q4[l] & 0xf) * q8[l];
+                isum += sc[j] * dj;
+                imin += m[j] * (y[b].bsums[2 * j] + y[b].bsums[2 * j + 1]);
+            }
+            s += (y[b].d * mg_fp16_to_fp32(x[b].d)) * (float)isum;
+            smin += (-y[b].d * mg_fp16_to_fp32(x[b].dmin)) * (float)imin;
+        }
+        out[c] = s + smin;
+    }
+#endif
+}
+
+/* ---- q6_K weights x q8_K rows ---- */
+static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const char *xrow, const void *const *ys,
+                                                           const int C, float *out) {
+    const mg_block_q6_K *x = (const mg_block_q6_K *)xrow;
+#if MG_QAVX2
+    __m256 acc[CMAX];
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
+        __m256i sumi[CMAX];
+        for (int c = 0; c < C; c++) {
+            /* the values are stored +32: subtract 32 * sum(scale * bsum) */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const mg_block_q8_K *)ys[c] + b)->bsums);
+            sumi[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, s16), 5));
+        }
+        for (int h = 0; h < 2; h++) {   /* halves of 128 values */
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x[b].ql + 64 * h));
+            const __m256i l2 = _mm256_loadu_si256((const __m256i *)(x[b].ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(x[b].qh + 32 * h));
+            /* value k*32 + l: nibble of ql (low: k = 0, 1; high: k = 2, 3) and bits 2k..2k+1 of qh */
+            __m256i q[4], s[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(hb, _mm256_set1_epi8(48)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
+                                   _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(-64)), 2));
+            const int8_t *sc = x[b].scales + 8 * h;
+            for (int k = 0; k < 4; k++)   /* 32 values use 2 scales: int16 lanes 0..7 scale 2k, 8..15 scale 2k+1 */
+                s[k] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
+            for (int c = 0; c < C; c++) {
+                const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 128 * h;
+                __m256i t = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++)
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(s[k], _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(q8 + 32 * k)))));
+                sumi[c] = _mm256_add_epi32(sumi[c], t);
+            }
+        }
+        const float xd = mg_fp16_to_fp32(x[b].d);
+        for (int c = 0; c < C; c++) {
+            const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
+#else
+    for (int c = 0; c < C; c++) {
+        const mg_block_q8_K *y = ys[c];
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int isum = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = x[b].ql + 64 * h, *qh = x[b].qh + 32 * h;
+                const int8_t *sc = x[b].scales + 8 * h, *q8 = y[b].qs + 128 * h;
+                for (int l = 0; l < 32; l++) {
+                    const int is = l / 16;
+                    const int q1 = ((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    isum += sc[is] * q1 * q8[l] + sc[is + 2] * q2 * q8[l + 32] + sc[is + 4] * q3 * q8[l + 64] +
+                            sc[is + 6] * q4 * q8[l + 96];
+                }
+            }
+            s += (y[b].d * mg_fp16_to_fp32(x[b].d)) * (float)isum;
+        }
+        out[c] = s;
+    }
+#endif
+}
+
+/* ---- f16 / bf16 weights x rows of the same type: f32 products summed with fma ---- */
+#if MG_QAVX2
+static inline __m256 load8_h(const uint16_t *p, int bf) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (!bf) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline __attribute__((always_inline)) void dot_half(int64_t K, const char *xrow, const void *const *ys,
+                                                           const int C, float *out, const int bf) {
+    const uint16_t *x = (const uint16_t *)xrow;
+#if MG_QAVX2
+    /* 4 chains of 8 lanes per column over steps of 32; a tail shorter than 32 is zero-padded (a
+     * product with 0 changes no sum) */
+    __m256 acc[CMAX][4];
+    for (int c = 0; c < C; c++)
+        for (int q = 0; q < 4; q++) acc[c][q] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        PREFETCH(x + k);
+        __m256 xv[4];
+        for (int q = 0; q < 4; q++) xv[q] = load8_h(x + k + 8 * q, bf);
+        for (int c = 0; c < C; c++) {
+            const uint16_t *y = (const uint16_t *)ys[c] + k;
+            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(xv[q], load8_h(y + 8 * q, bf), acc[c][q]);
+        }
+    }
+    if (k < K) {
+        uint16_t tx[32] = {0}, ty[32];
+        memcpy(tx, x + k, (size_t)(K - k) * 2);
+        for (int c = 0; c < C; c++) {
+            memset(ty, 0, sizeof ty);
+            memcpy(ty, (const uint16_t *)ys[c] + k, (size_t)(K - k) * 2);
+            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(load8_h(tx + 8 * q, bf), load8_h(ty + 8 * q, bf), acc[c][q]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        out[c] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][2]), _mm256_add_ps(acc[c][1], acc[c][3])));
+#else
+    for (int c = 0; c < C; c++) {
+        const uint16_t *y = ys[c];
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; k++)
+            s += bf ? mg_bf16_to_fp32(x[k]) * mg_bf16_to_fp32(y[k]) : mg_fp16_to_fp32(x[k]) * mg_fp16_to_fp32(y[k]);
+        out[c] = s;
+    }
+#endif
+}
+
+/* one weight row against C converted rows; C is a constant in each expansion */
+static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, const char *xrow, const void *const *ys,
+                                                           const int C, float *out) {
+    switch (t) {
+        case MG_Q8_0: dot_q8_0(K / MG_QK8_0, xrow, ys, C, out); break;
+        case MG_Q4_0: dot_q4_0(K / MG_QK4_0, xrow, ys, C, out); break;
+        case MG_Q4_K: dot_q4_K(K / MG_QK_K, xrow, ys, C, out); break;
+        case MG_Q6_K: dot_q6_K(K / MG_QK_K, xrow, ys, C, out); break;
+        case MG_F16: dot_half(K, xrow, ys, C, out, 0); break;
+        case MG_BF16: dot_half(K, xrow, ys, C, out, 1); break;
+        default: for (int c = 0; c < C; c++) out[c] = 0.0f; break;
+    }
+}
+
+#define DEFINE_DOT(T)                                                                                   \
+    static void dot_##T##_2(int64_t K, const char *x, const void *const *ys, float *o) { dot_cols(T, K, x, ys, 2, o); } \
+    static void dot_##T##_1(int64_t K, const char *x, const void *const *ys, float *o) { dot_cols(T, K, x, ys, 1, o); }
+DEFINE_DOT(MG_Q8_0)
+DEFINE_DOT(MG_Q4_0)
+DEFINE_DOT(MG_Q4_K)
+DEFINE_DOT(MG_Q6_K)
+DEFINE_DOT(MG_F16)
+DEFINE_DOT(MG_BF16)
+
+typedef void (*dot_fn)(int64_t K, const char *x, const void *const *ys, float *o);
+
+/* rows of src0 per job: a job's weights (16 rows of at most K * 34/32 bytes) are re-read from
+ * cache for every src1 row */
+#define QMB 16
+
+/* MUL_MAT, src0 [K, M, a2, a3] of a half / block type (rows dense), src1 the converted rows
+ * [K, N, b2, b3] (contiguous, the dot type), dst [M, N, b2, b3] f32 */
+void mg_mul_mat_blocks(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *b = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+    const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
+    const int64_t mblk = (M + QMB - 1) / QMB, planes = b->ne[2] * b->ne[3];
+    dot_fn f2, f1;
+    switch (a->type) {
+        case MG_Q8_0: f2 = dot_MG_Q8_0_2; f1 = dot_MG_Q8_0_1; break;
+        case MG_Q4_0: f2 = dot_MG_Q4_0_2; f1 = dot_MG_Q4_0_1; break;
+        case MG_Q4_K: f2 = dot_MG_Q4_K_2; f1 = dot_MG_Q4_K_1; break;
+        case MG_Q6_K: f2 = dot_MG_Q6_K_2; f1 = dot_MG_Q6_K_1; break;
+        case MG_F16: f2 = dot_MG_F16_2; f1 = dot_MG_F16_1; break;
+        case MG_BF16: f2 = dot_MG_BF16_2; f1 = dot_MG_BF16_1; break;
+        default: return;   /* refused by the backend's type table */
+    }
+    int64_t j0, j1;
+    mg_split(planes * mblk, ith, nth, &j0, &j1);
+    for (int64_t job = j0; job < j1; job++) {
+        const int64_t mb = job % mblk, p = job / mblk;
+        const int64_t i2 = p % b->ne[2], i3 = p / b->ne[2];
+        const int64_t m0 = mb * QMB, m1 = mg_min64(m0 + QMB, M);
+        const char *ap = mg_ptr(a, 0, 0, i2 / r2, i3 / r3);
+        if (K == 0) {
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t i = m0; i < m1; i++) mg_store_f32(mg_ptr(d, i, j, i2, i3), 0.0f);
+            continue;
+        }
+        /* pairs of columns, then the last one alone: each output is the same chain either way */
+        int64_t j = 0;
+        for (; j + 2 <= N; j += 2) {
+            const void *ys[2] = {mg_ptr(b, 0, j, i2, i3), mg_ptr(b, 0, j + 1, i2, i3)};
+            for (int64_t i = m0; i < m1; i++) {
+                float o[2];
+                f2(K, ap + i * a->nb[1], ys, o);
+                mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
+                mg_store_f32(mg_ptr(d, i, j + 1, i2, i3), o[1]);
+            }
+        }
+        for (; j < N; j++) {
+            const void *ys[1] = {mg_ptr(b, 0, j, i2, i3)};
+            for (int64_t i = m0; i < m1; i++) {
+                float o[1];
+                f1(K, ap + i * a->nb[1], ys, o);
+                mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
+            }
+        }
+    }
+}
+
+/* MUL_MAT:src1_to_dot_type: src[0] the f32 operand [K, N, b2, b3] (any strides), dst the work
+ * buffer [K, N, b2, b3] of the dot type, contiguous; threads split the rows */
+static void mg_k_src1_to_dot_type(const mg_node *n, int ith, int nth) {
+    const mg_tensor *s = &n->src[0];
+    const mg_tensor *d = &n->dst;
+    int64_t r0, r1;
+    mg_split(mg_nrows(s), ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i1, i2, i3;
+        mg_row_coords(s, r, &i1, &i2, &i3);
+        mg_from_f32_row(d->type, mg_ptr(s, 0, i1, i2, i3), s->nb[0], mg_ptr(d, 0, i1, i2, i3), s->ne[0]);
+    }
+}
+
+int mg_work_type(int t) {
+    switch (t) {
+        case MG_F16: return MG_F16;
+        case MG_BF16: return MG_BF16;
+        case MG_Q8_0: return MG_Q8_0;
+        case MG_Q4_0: return MG_Q8_0X;
+        case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
+        default: return -1;
+    }
+}
+
+int64_t mg_work_row_bytes(int t, int64_t k) {
+    const int w = mg_work_type(t);
+    return w < 0 ? 0 : mg_row_bytes(w, k);
+}
+
+int mg_quant_simd(void) {
+#if MG_QAVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* an internal step of MUL_MAT, not a registry op: the name says whose ("OP:step") */
+__attribute__((constructor)) static void mg_register_src1_to_dot_type(void) {
+    mg_register_kernel("MUL_MAT:src1_to_dot_type", mg_k_src1_to_dot_type, NULL);
+}

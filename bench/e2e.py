@@ -1,0 +1,707 @@
+"""Whole-model speed: minigraph (cpu backend) against llama.cpp on the same GGUF files.
+
+    python bench/e2e.py                      # every model, phase and thread count, 3 repetitions
+    python bench/e2e.py --quick              # tiny sizes, 1 repetition, logits check only (CI)
+    python bench/e2e.py --models mamba2 --threads 1 --phases prefill512,decode1 --reps 5
+    python bench/e2e.py --write              # also (re)write this script's section of bench/RESULTS.md
+
+Each model is written once by minigraph (models/gguf_io.save_gguf, seeded random F32 weights at
+realistic sizes) and the same file is loaded by both engines. Every row (model, phase, threads,
+engine) runs in a fresh worker process of its own, so its peak RSS (ru_maxrss) is that engine's
+alone, and llama.cpp's ggml never shares a process with anything else. Both engines get the same
+token ids and the same decode calls:
+
+    prefill512    1 sequence of 512 tokens in one call (n_ubatch 512), memory cleared per repetition
+    prefill4x128  4 sequences of 128 tokens in one call
+    decode1       1 sequence: a short prompt, then steps of 1 token
+    decode4       4 sequences: a short prompt each, then steps of 1 token per sequence
+
+Outputs as llama.cpp computes them by default: the logits of each sequence's last token of a call.
+llama.cpp runs with an F32 KV cache (its default is F16) so both compute the same thing, n_rs_seq 0
+on both. minigraph runs its Runner as an application would: graph reuse on, failure atomicity on
+(the default undo journal).
+
+Before a speed is reported, the logits of the first repetition of the two engines are compared:
+max |minigraph - llama.cpp| / max |llama.cpp| over every output of the call (TARGET 3e-6 is what we
+aim for; a row above BOUND is refused, its speed not reported). The profile (1 thread, first
+repetition of each phase, run after the timing in the same worker) says where minigraph's step time
+goes: kernels by op (each plan record timed alone: sums per call), plan building, the undo journal
+(failure atomicity), reading the logits, scheduler copies, and the Python left over; and ggml's own
+per-op time inside llama.cpp (its scheduler's eval callback asks for every node, so each node runs
+as a graph of its own: the times include one graph launch per node).
+
+The last line is `e2e: worst tokens/s ratio minigraph/llama.cpp: R (model, phase, threads)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+PHASES = ("prefill512", "prefill4x128", "decode1", "decode4")
+MODELS = ("mamba2", "lfm2", "qwen35", "kimi")
+TARGET = 3e-6          # relative logits agreement we aim for
+BOUND = 1e-4           # above this the two engines do not compute the same model: no speed reported
+N_VOCAB = 32000
+PROMPT = 8             # decode phases: prompt tokens per sequence before the timed steps
+
+
+def model_specs(quick: bool) -> dict:
+    """name -> (zoo-free constructor path, kwargs, description). Realistic sizes, or tiny ones."""
+    if quick:
+        V = 64
+        return {
+            "mamba2": ("minigraph.models.mamba2:Mamba2Model",
+                       dict(n_vocab=V, n_embd=64, n_layer=2, d_inner=128, d_state=16, n_head=8, n_group=1), "tiny"),
+            "lfm2": ("minigraph.models.lfm:LFM2Model",
+                     dict(n_vocab=V, n_embd=64, n_layer=3, n_ff=128, n_head=4, n_head_kv=2), "tiny"),
+            "qwen35": ("minigraph.models.delta_net:DeltaNetHybridModel",
+                       dict(n_vocab=V, n_embd=64, n_layer=4, head_dim=16, num_k_heads=2, num_v_heads=4, n_ff=128,
+                            full_attention_interval=4, n_head=4, n_head_kv=2), "tiny"),
+            "kimi": ("minigraph.models.kda:KDAModel", dict(n_vocab=V, n_embd=64, n_layer=2), "tiny"),
+        }
+    V = N_VOCAB
+    lfm_attn = (2, 5, 8, 10, 12, 14)              # LFM2-350M's attention blocks
+    return {
+        "mamba2": ("minigraph.models.mamba2:Mamba2Model",
+                   dict(n_vocab=V, n_embd=768, n_layer=24, d_inner=1536, d_state=128, n_head=24, n_group=1),
+                   "mamba2-130m-like: n_embd 768, 24 layers, d_inner 1536, d_state 128, 24 heads"),
+        "lfm2": ("minigraph.models.lfm:LFM2Model",
+                 dict(n_vocab=V, n_embd=1024, n_layer=16, n_ff=4608, n_head=16, n_head_kv=8, l_cache=3,
+                      head_count_kv=[8 if il in lfm_attn else 0 for il in range(16)]),
+                 "LFM2-350M-like: n_embd 1024, 16 blocks (attention at 2,5,8,10,12,14), n_ff 4608"),
+        "qwen35": ("minigraph.models.delta_net:DeltaNetHybridModel",
+                   dict(n_vocab=V, n_embd=768, n_layer=12, head_dim=128, num_k_heads=4, num_v_heads=8, n_ff=2048,
+                        full_attention_interval=4, n_head=8, n_head_kv=2),
+                   "Qwen3.5-like ~150M: n_embd 768, 12 blocks (gated attention every 4th), "
+                   "4 k / 8 v heads of 128, n_ff 2048"),
+        "kimi": ("minigraph.models.kda:KDAModel",
+                 dict(n_vocab=V, n_embd=768, n_layer=12, n_head=6, head_dim=128, n_ff=2048),
+                 "Kimi-Linear-like ~150M: n_embd 768, 12 KDA blocks, 6 heads of 128, n_ff 2048"),
+    }
+
+
+def phase_shape(phase: str, quick: bool) -> dict:
+    """n_seqs, tokens per sequence per call, calls (steps) per repetition."""
+    if phase.startswith("prefill"):
+        n_seqs = 1 if phase == "prefill512" else 4
+        total = 32 if quick else 512
+        return dict(n_seqs=n_seqs, n_tok=total // n_seqs, steps=1, decode=False)
+    return dict(n_seqs=1 if phase == "decode1" else 4, n_tok=1, steps=4 if quick else 32, decode=True)
+
+
+def tokens_for(phase: str, n_vocab: int, n_seqs: int, n: int, salt: int) -> dict:
+    """Deterministic token ids {seq: [n ids]} (identical on both engines)."""
+    import numpy as np
+    rng = np.random.default_rng(PHASES.index(phase) * 100003 + salt)
+    return {q: rng.integers(0, n_vocab, n).tolist() for q in range(n_seqs)}
+
+
+# -- the engines (in a worker process) -----------------------------------------------------------
+
+class MinigraphEngine:
+    def __init__(self, path, n_threads, n_seqs, n_ctx):
+        import minigraph as mg
+        from minigraph.models.gguf_io import load_gguf
+        from minigraph.models.runner import Runner
+        be = mg.backend("cpu")
+        be.set_n_threads(n_threads)
+        self.model = load_gguf(path, devices=be)
+        self.n_vocab = self.model.n_vocab
+        # n_kv padded to 256 cells as llama.cpp pads it (fewer graph rebuilds as the cache fills)
+        self.runner = Runner(self.model, mem_size=n_seqs, n_rs_seq=0, n_ubatch=512, reuse=True, kv_size=n_ctx,
+                             kv_pad=min(256, n_ctx))
+
+    def clear(self):
+        self.runner.memory.clear(data=False)
+
+    def decode(self, seq_tokens: dict) -> dict:
+        return self.runner.decode_seq_tokens(seq_tokens, output="last")
+
+
+class LlamaEngine:
+    def __init__(self, path, n_threads, n_seqs, n_ctx, eval_cb=None):
+        from minigraph.testing import llama_oracle as lo
+        L = lo.llama_cpp()
+        default = getattr(L, "_mg_default_cparams", None) or L.llama_context_default_params
+        L._mg_default_cparams = default
+
+        def params():
+            cp = default()
+            cp.type_k = cp.type_v = 0              # GGML_TYPE_F32 K/V, as minigraph's cache
+            if eval_cb is not None:
+                cp.cb_eval = eval_cb
+            return cp
+        L.llama_context_default_params = params
+        self.ll = lo.LlamaOracle(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs,
+                                 n_rs_seq=0, n_threads=n_threads)
+        self.n_vocab = self.ll.n_vocab
+
+    def clear(self):
+        self.ll.clear()
+
+    def decode(self, seq_tokens: dict) -> dict:
+        return self.ll.decode(seq_tokens, output="last")
+
+    def close(self):
+        self.ll.close()
+
+
+class PhaseRun:
+    """One phase on one engine: warm() makes the graphs and returns the outputs that are checked,
+    rep(i) runs timed repetition i and returns its seconds; `tokens` per repetition."""
+
+    def __init__(self, eng, phase: str, quick: bool):
+        self.eng, self.phase, self.quick = eng, phase, quick
+        self.sh = sh = phase_shape(phase, quick)
+        self.tokens = sh["n_seqs"] * (sh["n_tok"] if not sh["decode"] else sh["steps"])
+
+    def warm(self) -> list:
+        import numpy as np
+        eng, phase, sh = self.eng, self.phase, self.sh
+        eng.clear()
+        if not sh["decode"]:
+            outs = [eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], sh["n_tok"], 0))]
+        else:
+            outs = [eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], PROMPT, 0)),
+                    eng.decode(tokens_for(phase, eng.n_vocab, sh["n_seqs"], 1, 1))]      # the 1-token graph
+            outs += [eng.decode(t) for t in self._steps(0)]                              # and rep 0's tokens
+        return [{s: np.asarray(v, np.float32) for s, v in o.items()} for o in outs]
+
+    def _steps(self, rep: int) -> list:
+        sh = self.sh
+        return [tokens_for(self.phase, self.eng.n_vocab, sh["n_seqs"], 1, 2 + rep * sh["steps"] + i)
+                for i in range(sh["steps"])]
+
+    def rep(self, i: int) -> float:
+        eng, sh = self.eng, self.sh
+        if not sh["decode"]:
+            toks = tokens_for(self.phase, eng.n_vocab, sh["n_seqs"], sh["n_tok"], 0)
+            eng.clear()
+            t0 = time.perf_counter()
+            eng.decode(toks)
+            return time.perf_counter() - t0
+        steps = self._steps(i + 1)
+        t0 = time.perf_counter()
+        for toks in steps:
+            eng.decode(toks)
+        return time.perf_counter() - t0
+
+
+def run_phase(eng, phase: str, quick: bool, reps: int):
+    """Warm, then reps timed repetitions: (seconds per repetition, tokens per repetition, outputs)."""
+    run = PhaseRun(eng, phase, quick)
+    outs = run.warm()
+    return [run.rep(i) for i in range(reps)], run.tokens, outs
+
+
+def n_ctx_for(phase: str, quick: bool, reps: int) -> int:
+    """Context cells per engine: every token a sequence will hold in the phase (llama.cpp splits
+    n_ctx over n_seq_max sequences: n_ctx is that times n_seqs)."""
+    sh = phase_shape(phase, quick)
+    per_seq = sh["n_tok"] if not sh["decode"] else PROMPT + 1 + sh["steps"] * (reps + 2)
+    per_seq = -(-(per_seq + 16) // 256) * 256
+    return per_seq * sh["n_seqs"]
+
+
+class MgProfiler:
+    """Exclusive wall time of the minigraph pieces a decode call goes through, by name, while
+    installed: wrapped methods (a nested wrapped call's time is its own, not its caller's)."""
+
+    def __init__(self):
+        self.t = {}
+        self.stack = []
+        self.plans = []
+        self.undo = []
+
+    def wrap(self, owner, attr, name, on_call=None):
+        orig = getattr(owner, attr)
+        prof = self
+
+        def wrapper(*a, **k):
+            if on_call is not None:
+                on_call(*a, **k)
+            prof.stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                inner = prof.stack.pop()
+                prof.t[name] = prof.t.get(name, 0.0) + dt - inner
+                if prof.stack:
+                    prof.stack[-1] += dt
+        setattr(owner, attr, wrapper)
+        self.undo.append((owner, attr, orig))
+
+    def remove(self):
+        for owner, attr, orig in reversed(self.undo):
+            setattr(owner, attr, orig)
+
+
+def profiled_calls(eng, phase, quick):
+    """The token ids of one repetition's decode calls, the memory made ready for them (prefill:
+    cleared; decode: the sequences go on from where the timing left them)."""
+    sh = phase_shape(phase, quick)
+    if not sh["decode"]:
+        eng.clear()
+        return [tokens_for(phase, eng.n_vocab, sh["n_seqs"], sh["n_tok"], 0)]
+    return [tokens_for(phase, eng.n_vocab, sh["n_seqs"], 1, 50000 + i) for i in range(sh["steps"])]
+
+
+def profile_minigraph(eng, phase, quick):
+    """({piece: seconds per call}, {op: kernel seconds per call}) for one repetition of the phase:
+    the pieces from wrapped methods, the kernels by op from every record of each plan that ran,
+    timed alone (one C call each)."""
+    import minigraph as mg
+    from minigraph.backends.cpu import CpuBackend, ffi, lib
+    from minigraph.models import step_journal
+    from minigraph.models.runner import Runner
+    from minigraph.sched import Scheduler
+    prof = MgProfiler()
+    runs = []
+    prof.wrap(CpuBackend, "run_plan", "kernels (run_plan)", on_call=lambda self, plan: runs.append((self, plan)))
+    prof.wrap(CpuBackend, "build_plan", "plan building")
+    prof.wrap(Runner, "_build", "graph build + scheduling")
+    for cls in set(step_journal.JOURNALS.values()):
+        prof.wrap(cls, "__init__", "failure atomicity (undo journal)")
+        prof.wrap(cls, "before_ubatch", "failure atomicity (undo journal)")
+    if hasattr(Scheduler, "copy_inputs"):
+        prof.wrap(Scheduler, "copy_inputs", "scheduler copies")
+    prof.wrap(mg.Tensor, "numpy", "Tensor.numpy (logits)")
+    calls = profiled_calls(eng, phase, quick)
+    t0 = time.perf_counter()
+    try:
+        for toks in calls:
+            eng.decode(toks)
+    finally:
+        wall = time.perf_counter() - t0
+        prof.remove()
+    pieces = {k: v / len(calls) for k, v in prof.t.items()}
+    pieces["python and the rest"] = wall / len(calls) - sum(pieces.values())
+    err = ffi.new("mg_error *")
+    by_plan, ops = {}, {}
+    for be, plan in runs:
+        if id(plan) not in by_plan:
+            d = by_plan[id(plan)] = {}
+            for i, node in enumerate(plan.compute):
+                rec = plan.records + i
+                dt = _per_call(lambda: lib.mg_plan_run(rec, 1, int(be.n_threads), err), 0.01 if quick else 0.03)
+                d[node.op] = d.get(node.op, 0.0) + dt
+        for op, dt in by_plan[id(plan)].items():
+            ops[op] = ops.get(op, 0.0) + dt / len(calls)
+    return pieces, ops
+
+
+def _per_call(fn, min_time):
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_time and n >= 3:
+            return dt / n
+
+
+def profile_llama(path, n_threads, n_seqs, n_ctx, phase, quick):
+    """{op: seconds per call} of ggml inside llama.cpp: the scheduler's eval callback asks for
+    every node, so each runs alone; a node's time is from the previous callback's return to its own."""
+    import ctypes
+    from minigraph.testing import llama_oracle as lo
+    L = lo.llama_cpp()
+    base = ctypes.CDLL(str(lo.lib_dir() / "libggml-base.so"))
+    base.ggml_op_desc.restype = ctypes.c_char_p
+    base.ggml_op_desc.argtypes = [ctypes.c_void_p]
+    acc, last = {}, [None]
+    on = [False]
+
+    def cb(t, ask, _user):
+        if ask:
+            return True
+        now = time.perf_counter()
+        if on[0] and last[0] is not None:
+            op = base.ggml_op_desc(t).decode()
+            acc[op] = acc.get(op, 0.0) + now - last[0]
+        last[0] = time.perf_counter()
+        return True
+    cfun = L.ggml_backend_sched_eval_callback(cb)
+    eng = LlamaEngine(path, n_threads, n_seqs, n_ctx, eval_cb=cfun)
+    try:
+        run_phase(eng, phase, quick, 1)                 # warm, and the decode phases' prompt
+        calls = profiled_calls(eng, phase, quick)
+        on[0] = True
+        for toks in calls:
+            last[0] = time.perf_counter()           # a call's first node is timed from here
+            eng.decode(toks)
+        on[0] = False
+        return {k: v / len(calls) for k, v in acc.items()}
+    finally:
+        eng.close()
+
+
+def worker(cfg: dict, out_path: str) -> int:
+    """One engine on one row, driven by the parent over stdin/stdout (one line each way):
+    'ready' once warm, then 'rep I' -> seconds, until 'done'; then the peak RSS, the checked
+    outputs and the profiles are pickled to out_path."""
+    import pickle
+    import resource
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                  # whatever the engines print goes to stderr, not into the channel
+    engine, path, phase, nt, reps, quick = (cfg["engine"], cfg["path"], cfg["phase"], cfg["threads"], cfg["reps"],
+                                            cfg["quick"])
+    sh = phase_shape(phase, quick)
+    n_ctx = n_ctx_for(phase, quick, reps)
+    t0 = time.perf_counter()
+    eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
+    load_s = time.perf_counter() - t0
+    run = PhaseRun(eng, phase, quick)
+    outs = run.warm()
+    print("ready", file=reply, flush=True)
+    times = []
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "done":
+            break
+        times.append(run.rep(int(cmd[1])))
+        print(f"{times[-1]!r}", file=reply, flush=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res = dict(times=times, tokens=run.tokens, rss=rss, load_s=load_s, outs=outs)
+    if cfg.get("profile"):
+        try:
+            if engine == "minigraph":
+                res["pieces"], res["ops"] = profile_minigraph(eng, phase, quick)
+            else:
+                eng.close()
+                res["ops"] = profile_llama(path, nt, sh["n_seqs"], n_ctx, phase, quick)
+        except Exception as e:                      # a profile is extra: say why it is missing
+            res["profile_error"] = f"{type(e).__name__}: {e}"
+    with open(out_path, "wb") as f:
+        pickle.dump(res, f)
+    return 0
+
+
+class Worker:
+    """A worker process for one engine on one row (see worker())."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        fd, self.out = tempfile.mkstemp(suffix=".pkl")
+        os.close(fd)
+        self.err = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg), self.out],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
+
+    def why(self) -> str:
+        """The worker's last words (an assertion, an exception) when it died."""
+        self.p.wait()
+        self.err.seek(0)
+        lines = [s for s in self.err.read().splitlines() if s.strip()]
+        marked = [s for s in lines if "GGML_ASSERT" in s or "Error" in s]
+        return ((marked or lines or [f"exit status {self.p.returncode}"])[-1]).strip()
+
+    def ask(self, line):
+        """Send a line (None: nothing) and read the answer; RuntimeError with the reason if it died."""
+        try:
+            if line is not None:
+                self.p.stdin.write(line + "\n")
+                self.p.stdin.flush()
+            ans = self.p.stdout.readline()
+        except (BrokenPipeError, OSError):
+            ans = ""
+        if not ans:
+            raise RuntimeError(self.why())
+        return ans.strip()
+
+    def finish(self) -> dict:
+        import pickle
+        try:
+            self.p.stdin.write("done\n")
+            self.p.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        if self.p.wait() != 0:
+            raise RuntimeError(self.why())
+        with open(self.out, "rb") as f:
+            return pickle.load(f)
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        for f in (self.p.stdout, self.p.stdin):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+        self.err.close()
+        try:
+            os.unlink(self.out)
+        except OSError:
+            pass
+
+
+def run_row(cfg: dict, reps: int, timeout: float) -> dict:
+    """Both engines on one row, each in its own process (loaded and warmed at the same time),
+    their timed repetitions alternating (the engine that goes first alternates too), so a change
+    in the machine's load falls on both alike. {engine: result or {'error': one line}}."""
+    import threading
+    engines = ("llama", "minigraph")
+    ws = {e: Worker(dict(cfg, engine=e)) for e in engines}
+    timer = threading.Timer(timeout, lambda: [w.p.kill() for w in ws.values()])
+    timer.start()
+    res = {}
+    try:
+        for e, w in ws.items():
+            try:
+                w.ask(None)                              # 'ready'
+            except RuntimeError as err:
+                res[e] = {"error": str(err)}
+        for i in range(reps if not res else 0):
+            for e in (engines if i % 2 == 0 else engines[::-1]):
+                float(ws[e].ask(f"rep {i}"))
+        for e, w in ws.items():                          # one at a time: the profiles time alone
+            if e not in res:
+                try:
+                    res[e] = w.finish()
+                except RuntimeError as err:
+                    res[e] = {"error": str(err)}
+    except (RuntimeError, ValueError) as err:
+        for e in engines:
+            res.setdefault(e, {"error": str(err)})
+    finally:
+        timer.cancel()
+        for w in ws.values():
+            w.close()
+    return res
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+def write_model(name: str, spec, folder: str) -> str:
+    """The model's GGUF file (written once per spec into folder)."""
+    import hashlib
+    import importlib
+    mod, _, cls = spec[0].partition(":")
+    key = hashlib.sha1(json.dumps([spec[0], spec[1]], sort_keys=True).encode()).hexdigest()[:10]
+    path = os.path.join(folder, f"{name}-{key}.gguf")
+    if not os.path.exists(path):
+        import minigraph as mg
+        from minigraph.models.gguf_io import save_gguf
+        model = getattr(importlib.import_module(mod), cls)(devices=mg.backend("cpu"), seed=7, **spec[1])
+        save_gguf(model, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        del model
+    return path
+
+
+def rel_err(a_outs, b_outs) -> float:
+    import numpy as np
+    worst = 0.0
+    if len(a_outs) != len(b_outs):
+        return float("inf")
+    for a, b in zip(a_outs, b_outs):
+        if set(a) != set(b):
+            return float("inf")
+        for s in b:
+            x, y = np.asarray(a[s], np.float64), np.asarray(b[s], np.float64)
+            if x.shape != y.shape:
+                return float("inf")
+            worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)))
+    return worst
+
+
+def probe_llama(path) -> str | None:
+    """None when llama.cpp runs the file; else why not (one line)."""
+    from minigraph.testing import llama_oracle as lo
+    p = lo.probe(path, n_ubatch=8, n_threads=1)
+    return None if p.ok else p.message
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def mib(b) -> str:
+    return f"{b / (1 << 20):.0f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma separated, of {','.join(MODELS)}")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma separated, of {','.join(PHASES)}")
+    ap.add_argument("--threads", default=None, help="thread counts, comma separated (default 1,2; 1 with --quick)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per row (median); default 3, 1 with --quick")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, logits check only (CI)")
+    ap.add_argument("--profile", default=None, choices=("on", "off"),
+                    help="per-op profiles at 1 thread (default: on, off with --quick)")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), f"minigraph-e2e-{os.getuid()}"),
+                    help="where the GGUF files are written (kept between runs)")
+    ap.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md (its own section)")
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT) if ROOT not in sys.path else None
+    if args.worker:
+        return worker(json.loads(args.worker[0]), args.worker[1])
+    models = [m for m in args.models.split(",") if m]
+    phases = [p for p in args.phases.split(",") if p]
+    bad = [m for m in models if m not in MODELS] + [p for p in phases if p not in PHASES]
+    if bad:
+        print(f"bench/e2e.py: unknown model or phase {bad[0]!r} (models: {', '.join(MODELS)}; "
+              f"phases: {', '.join(PHASES)})", file=sys.stderr)
+        return 2
+    try:
+        args.threads = args.threads or ("1" if args.quick else "1,2")
+        threads = [int(t) for t in args.threads.split(",") if t]
+        if not threads or min(threads) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"bench/e2e.py: --threads {args.threads!r}: positive integers, comma separated", file=sys.stderr)
+        return 2
+    reps = args.reps or (1 if args.quick else 3)
+    profile = (args.profile or ("off" if args.quick else "on")) == "on"
+    from minigraph.testing import llama_oracle as lo
+    if not lo.installed():
+        print(f"bench/e2e.py: {lo.not_installed_reason()}", file=sys.stderr)
+        return 2
+    os.makedirs(args.dir, exist_ok=True)
+    specs = model_specs(args.quick)
+    lines = []
+
+    def say(s=""):
+        print(s, flush=True)
+        lines.append(s)
+    t_start = time.perf_counter()
+    say(f"# {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}, llama-cpp-python {lo.VERSION}, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"load avg at start {loadavg()}")
+    say(f"# F32 weights and caches, n_vocab {64 if args.quick else N_VOCAB}, outputs: last token per sequence, "
+        f"n_ubatch 512, medians of {reps} repetition(s){'  (--quick: tiny sizes)' if args.quick else ''}")
+    rows, worst, profiles, skipped = [], None, [], []
+    for name in models:
+        spec = specs[name]
+        path = write_model(name, spec, args.dir)
+        say(f"\n## {name}: {spec[2]} ({os.path.getsize(path) / (1 << 20):.0f} MiB file)")
+        why = probe_llama(path)
+        if why:
+            say(f"  SKIPPED: llama.cpp cannot run minigraph's {name} file: {why}")
+            skipped.append(name)
+            continue
+        say(f"  {'phase':13s} {'thr':>3s} {'llama tok/s':>11s} {'mg tok/s':>9s} {'ratio':>6s} {'rel err':>8s} "
+            f"{'llama RSS':>9s} {'mg RSS':>7s} {'RSS ratio':>9s} load")
+        for phase in phases:
+            for nt in threads:
+                cfg = dict(path=path, phase=phase, threads=nt, reps=reps, quick=args.quick,
+                           profile=profile and nt == 1)
+                res = run_row(cfg, reps, 120 if args.quick else 1800)
+                load = loadavg().split()[0]
+                errs = [f"{e}: {r['error']}" for e, r in res.items() if "error" in r]
+                if errs:
+                    say(f"  {phase:13s} {nt:3d} FAILED: {'; '.join(errs)}")
+                    rows.append((name, phase, nt, None))
+                    continue
+                err = rel_err(res["minigraph"]["outs"], res["llama"]["outs"])
+                flag = "" if err <= TARGET else ("!" if err <= BOUND else " REFUSED")
+                if err > BOUND:
+                    say(f"  {phase:13s} {nt:3d} logits differ: relative error {err:.3g} > {BOUND:g}: no speed reported")
+                    rows.append((name, phase, nt, None))
+                    continue
+                tps = {e: r["tokens"] / statistics.median(r["times"]) for e, r in res.items()}
+                ratio = tps["minigraph"] / tps["llama"]
+                rss = {e: r["rss"] for e, r in res.items()}
+                say(f"  {phase:13s} {nt:3d} {tps['llama']:11.1f} {tps['minigraph']:9.1f} {ratio:6.2f} "
+                    f"{err:8.1e}{flag:1s} {mib(rss['llama']):>8s}M {mib(rss['minigraph']):>6s}M "
+                    f"{rss['minigraph'] / rss['llama']:9.2f} {load}")
+                rows.append((name, phase, nt, ratio))
+                if worst is None or ratio < worst[0]:
+                    worst = (ratio, name, phase, nt)
+                if "pieces" in res["minigraph"] or "ops" in res["llama"]:
+                    profiles.append((name, phase, nt, res))
+        for (n_, phase, nt, res) in [p for p in profiles if p[0] == name]:
+            print_profile(say, n_, phase, nt, res)
+    say(f"\n# relative logits error: max |minigraph - llama.cpp| / max |llama.cpp| over the first repetition's "
+        f"outputs; target {TARGET:g} ('!' marks a row above it), rows above {BOUND:g} are refused")
+    say(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {loadavg()}"
+        + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    if args.write:
+        write_results("\n".join(lines), args)
+    if worst is None:
+        print("e2e: worst tokens/s ratio minigraph/llama.cpp: none (no row measured)")
+        return 1
+    print(f"e2e: worst tokens/s ratio minigraph/llama.cpp: {worst[0]:.2f} ({worst[1]}, {worst[2]}, {worst[3]})")
+    return 0
+
+
+def print_profile(say, name, phase, nt, res):
+    mgr, llr = res["minigraph"], res["llama"]
+    say(f"  profile {name} {phase}, {nt} thread(s), ms per decode call:")
+    if "pieces" in mgr:
+        pieces = mgr["pieces"]
+        total = sum(pieces.values())
+        say(f"    minigraph step {total * 1e3:.2f} ms: " + ", ".join(
+            f"{k} {v * 1e3:.2f}" for k, v in sorted(pieces.items(), key=lambda kv: -kv[1])))
+    elif "profile_error" in mgr:
+        say(f"    minigraph profile failed: {mgr['profile_error']}")
+    mo, lo_ = mgr.get("ops", {}), llr.get("ops", {})
+    if "profile_error" in llr:
+        say(f"    ggml profile failed: {llr['profile_error']}")
+    ops = sorted(set(mo) | set(lo_), key=lambda o: -max(mo.get(o, 0.0), lo_.get(o, 0.0)))
+    say(f"    {'op':18s} {'minigraph':>10s} {'ggml':>10s}")
+    for op in ops:
+        a, b = mo.get(op), lo_.get(op)
+        if max(a or 0.0, b or 0.0) < 1e-5:
+            continue
+        say(f"    {op:18s} {'' if a is None else f'{a * 1e3:10.3f}':>10s} {'' if b is None else f'{b * 1e3:10.3f}':>10s}")
+    say(f"    {'sum':18s} {sum(mo.values()) * 1e3:10.3f} {sum(lo_.values()) * 1e3:10.3f}")
+
+
+SECTION_BEGIN = "<!-- bench/e2e.py --write{key}: begin (this section is rewritten by the script) -->"
+SECTION_END = "<!-- bench/e2e.py --write{key}: end -->"
+
+
+def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
+    """Replace this script's section for these models of bench/RESULTS.md (between the markers),
+    or append it: runs of other model sets keep their own sections."""
+    key = f" ({getattr(args, 'models', '')})" if getattr(args, "models", "") else ""
+    begin, end = SECTION_BEGIN.format(key=key), SECTION_END.format(key=key)
+    cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        commit = "?"
+    block = (f"{begin}\n# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
+             f"`{cmd.strip()}` at commit {commit}\n\n```\n{text.strip()}\n```\n{end}\n")
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except FileNotFoundError:
+        doc = ""
+    if begin in doc and end in doc:
+        a = doc.index(begin)
+        b = doc.index(end) + len(end)
+        if doc[b:b + 1] == "\n":
+            b += 1
+        doc = doc[:a] + block + doc[b:]
+    else:
+        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

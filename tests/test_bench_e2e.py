@@ -1,0 +1,70 @@
+"""bench/e2e.py in its short mode (tiny models, one repetition): every model llama.cpp can run is
+decoded by both engines in worker processes and the logits must agree before a speed is
+printed; no timing is asserted. Its --write plumbing replaces only its own section."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minigraph.testing import llama_oracle as lo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.llama
+def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
+    if not lo.installed():
+        pytest.skip(lo.not_installed_reason())
+    p = subprocess.run([sys.executable, SCRIPT, "--quick", "--dir", str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    print(p.stdout[-6000:])
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    lines = p.stdout.strip().splitlines()
+    assert re.fullmatch(r"e2e: worst tokens/s ratio minigraph/llama\.cpp: [0-9.]+ \(\w+, \w+, \d+\)", lines[-1])
+    rows = [s for s in lines if re.match(r"\s+(prefill|decode)\S* +\d+ ", s)]
+    # every phase of every model llama.cpp runs is a row with a speed (a refused or failed row prints no ratio)
+    measured = {m for m in e2e.MODELS if f"## {m}:" in p.stdout and f"SKIPPED: llama.cpp cannot run minigraph's {m}" not in p.stdout}
+    assert {"mamba2", "lfm2", "qwen35"} <= measured, p.stdout
+    assert len(rows) == len(measured) * len(e2e.PHASES), p.stdout
+    for row in rows:
+        assert "FAILED" not in row and "logits differ" not in row, row
+        err = float(row.split()[5].rstrip("!"))
+        assert err <= e2e.BOUND, row
+
+
+def test_write_replaces_only_its_section(e2e, tmp_path):
+    """One section per model set: a second run of the same set replaces its own, another set adds one."""
+    p = tmp_path / "RESULTS.md"
+    p.write_text("# Op benchmarks\nprose\n")
+
+    class Args:
+        models = "mamba2"
+    e2e.write_results("first", Args(), str(p))
+    e2e.write_results("second", Args(), str(p))
+    Args.models = "lfm2"
+    e2e.write_results("third", Args(), str(p))
+    doc = p.read_text()
+    assert doc.startswith("# Op benchmarks\nprose\n")
+    assert doc.count(e2e.SECTION_BEGIN.format(key=" (mamba2)")) == 1 and doc.count(e2e.SECTION_END.format(key=" (lfm2)")) == 1
+    assert "second" in doc and "third" in doc and "first" not in doc
+    assert doc.index("second") < doc.index("third")
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    p = subprocess.run([sys.executable, SCRIPT, "--models", "gpt9", "--dir", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "unknown model or phase 'gpt9'" in p.stderr and "Traceback" not in p.stderr
