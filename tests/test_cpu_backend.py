@@ -71,10 +71,16 @@ def test_missing_extension_says_how_to_rebuild(monkeypatch):
         cpu.CpuBackend(5)
 
 
-def test_n_threads_setting():
+def test_n_threads_setting(monkeypatch):
+    import os
+    import warnings
     b = cpu.CpuBackend(9)
     assert b.n_threads >= 1
-    assert b.set_n_threads(3).n_threads == 3
+    monkeypatch.setattr(cpu, "_oversubscribed_warned", False)
+    with warnings.catch_warnings(record=True) as caught:     # more threads than cores: one warning
+        warnings.simplefilter("always")
+        assert b.set_n_threads(3).n_threads == 3
+    assert len(caught) == (1 if len(os.sched_getaffinity(0)) < 3 else 0), [str(w.message) for w in caught]
     with pytest.raises(ValueError):
         b.set_n_threads(0)
 
