@@ -62,8 +62,13 @@ FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
 # flip is carried on by the recurrent state and the KV cache. So the largest relative error only
 # catches gross errors (QBOUND); the arithmetic check is the NMSE over all outputs against that of
 # a dequantize-then-f32 model (the same weights, float products, run by minigraph): at most
-# NMSE_BOUND of it, or the row is refused; above NMSE_TARGET the row is marked '!'.
-QBOUND = {"f16": 5e-2, "bf16": 5e-2, "q8_0": 5e-2, "q4_0": 5e-2, "q4_k_m": 5e-2}
+# NMSE_BOUND of it, or the row is refused; above NMSE_TARGET the row is marked '!'. Each row also
+# says how many of its calls, from the first, agree to float32 rounding (relative 1e-6): the calls
+# before the first flip, where the two engines' arithmetic is seen to be the same.
+# Measured on the LFM2-350M-like model in Q8_0 at 1 thread: the first 10 of 34 calls are bit for bit
+# llama.cpp's, then one call moves by 2.3e-2 and every later call stays ~2e-2 off (the flip lives on
+# in the conv state and the KV cache); in Q4_K_M a 32-step phase ends ~7e-2 off. Hence 0.1.
+QBOUND = {"f16": 0.1, "bf16": 0.1, "q8_0": 0.1, "q4_0": 0.1, "q4_k_m": 0.1}
 # the half types' activation grids are much finer than a q8 block's, so flips are far more
 # frequent there (the tests measure 0.5 to 0.7 of the float model's NMSE on tiny models). On tiny
 # models one q8 flip weighs a lot against the float model's error: a 32-token qwen35 prefill at
@@ -647,6 +652,16 @@ def dequantized_outs(cfg: dict, timeout: float):
         w.close()
 
 
+def exact_calls(a_outs, b_outs, tol=1e-6) -> int:
+    """How many calls, from the first, agree to float32 rounding (relative error <= tol)."""
+    n = 0
+    for a, b in zip(a_outs, b_outs):
+        if rel_err([a], [b]) > tol:
+            break
+        n += 1
+    return n
+
+
 def probe_llama(path) -> str | None:
     """None when llama.cpp runs the file; else why not (one line)."""
     from minigraph.testing import llama_oracle as lo
@@ -772,7 +787,9 @@ def main(argv=None) -> int:
                             continue
                         mine, floats = nmse(res["minigraph"]["outs"], res["llama"]["outs"]), nmse(deq[phase], res["llama"]["outs"])
                         ratio_nmse = mine / max(floats, 1e-300)
-                        arith = f"  nmse {mine:.1e} = {ratio_nmse:.1e} x float products{'!' if ratio_nmse > min(NMSE_TARGET, NMSE_BOUND[ftype]) else ''}"
+                        n_ex = exact_calls(res["minigraph"]["outs"], res["llama"]["outs"])
+                        arith = (f"  calls exact {n_ex}/{len(res['llama']['outs'])}, "
+                                 f"nmse {mine:.1e} = {ratio_nmse:.1e} x float products{'!' if ratio_nmse > min(NMSE_TARGET, NMSE_BOUND[ftype]) else ''}")
                         if ratio_nmse > NMSE_BOUND[ftype]:
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} logits differ: NMSE {mine:.3g} is {ratio_nmse:.3g} x a "
                                 f"dequantize-then-f32 model's (> {NMSE_BOUND[ftype]:g}): not ggml's arithmetic; no speed reported")
