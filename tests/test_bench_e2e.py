@@ -49,6 +49,20 @@ def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
         assert err <= (e2e.BOUND if ftype == "f32" else e2e.QBOUND[ftype]), row
 
 
+@pytest.mark.llama
+def test_ttft_rows(tmp_path):
+    """--ttft: one row per file type, both engines' times and the logits of the first token checked."""
+    if not lo.installed():
+        pytest.skip(lo.not_installed_reason())
+    p = subprocess.run([sys.executable, SCRIPT, "--quick", "--ttft", "--models", "lfm2", "--ftype", "f32,q8_0",
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    rows = [s.split() for s in p.stdout.splitlines() if re.match(r"\s+ttft +(f32|q8_0) ", s)]
+    assert [r[1] for r in rows] == ["f32", "q8_0"], p.stdout
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[5]) > 0 and float(r[8]) <= 1e-2, r
+
+
 def test_write_replaces_only_its_section(e2e, tmp_path):
     """One section per model set: a second run of the same set replaces its own, another set adds one."""
     p = tmp_path / "RESULTS.md"
