@@ -49,8 +49,37 @@ ROOT = os.path.dirname(HERE)
 
 PHASES = ("prefill512", "prefill4x128", "decode1", "decode4")
 MODELS = ("mamba2", "lfm2", "qwen35", "kimi")
-TARGET = 3e-6          # relative logits agreement we aim for
+TARGET = 3e-6          # relative logits agreement we aim for (f32 files)
 BOUND = 1e-4           # above this the two engines do not compute the same model: no speed reported
+FTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
+# Quantized and half files: both engines convert each activation row to the weight type's vec_dot
+# type (q8_0, q8_K, f16, bf16) before the integer (or half) dot products. That conversion rounds:
+# where the two sides' activations differ by float32 summation order (~1e-7), a value next to a
+# rounding boundary lands on the neighbouring level, and that one element moves the call's logits
+# by up to a level of the activation type (tests/test_llama_oracle_quant.py: up to 2e-3 for q8_0
+# and q4_k_m, 5e-3 for q4_0, 1e-2 for bf16 at one call of a tiny model; here, with n_embd 64, one
+# such flip in a 32-token qwen35 prefill moves a logit by 1.1e-2 relative). Over a decode phase a
+# flip is carried on by the recurrent state and the KV cache. So the largest relative error only
+# catches gross errors (QBOUND); the arithmetic check is the NMSE over all outputs against that of
+# a dequantize-then-f32 model (the same weights, float products, run by minigraph): at most
+# NMSE_BOUND of it, or the row is refused; above NMSE_TARGET the row is marked '!'. Each row also
+# says how many of its calls, from the first, agree to float32 rounding (relative 1e-6): the calls
+# before the first flip, where the two engines' arithmetic is seen to be the same.
+# Measured on the LFM2-350M-like model in Q8_0 at 1 thread: the first 10 of 34 calls are bit for bit
+# llama.cpp's, then one call moves by 2.3e-2 and every later call stays ~2e-2 off (the flip lives on
+# in the conv state and the KV cache); in Q4_K_M a 32-step phase ends ~7e-2 off. Hence 0.1.
+# The 4-bit files differ from the first call at these sizes (a 4-block LFM2 with n_embd 1024 and
+# n_ff 4608 in Q4_0: 1.3e-2 on the first call), but so does llama.cpp from itself: the same file
+# with its repacked CPU weights (the default) and without (use_extra_bufts off) differs by 1.5e-2,
+# and minigraph is 1.3e-2 and 1.5e-2 from the two. The same model in Q8_0 agrees bit for bit.
+QBOUND = {"f16": 0.1, "bf16": 0.1, "q8_0": 0.1, "q4_0": 0.1, "q4_k_m": 0.1}
+# the half types' activation grids are much finer than a q8 block's, so flips are far more
+# frequent there (the tests measure 0.5 to 0.7 of the float model's NMSE on tiny models). On tiny
+# models one q8 flip weighs a lot against the float model's error: a 32-token qwen35 prefill at
+# n_embd 64 in Q8_0 measures 0.34 x (one call off by 1.1e-2, the others exact), hence 0.5 and not
+# the 0.01 of the tests' 256-wide models; '!' marks what deserves a look.
+NMSE_BOUND = {"f16": 0.7, "bf16": 0.7, "q8_0": 0.5, "q4_0": 0.5, "q4_k_m": 0.5}
+NMSE_TARGET = 0.01
 N_VOCAB = 32000
 PROMPT = 8             # decode phases: prompt tokens per sequence before the timed steps
 
@@ -126,6 +155,23 @@ class MinigraphEngine:
 
     def decode(self, seq_tokens: dict) -> dict:
         return self.runner.decode_seq_tokens(seq_tokens, output="last")
+
+
+class DequantizedEngine(MinigraphEngine):
+    """minigraph on the f32 file with each weight replaced by the quantized file's weight
+    dequantized: the same weights, float products (no activation conversion). How far this is
+    from llama.cpp is the yardstick for a quantized row: minigraph on the quantized file must be
+    much closer than this, or it does not take ggml's integer dot products."""
+
+    def __init__(self, path, n_threads, n_seqs, n_ctx, f32_path=None):
+        import numpy as np
+        import minigraph as mg
+        from minigraph.models.gguf_io import load_gguf
+        super().__init__(f32_path, n_threads, n_seqs, n_ctx)
+        mine = self.model.gguf_tensors()
+        for name, t in load_gguf(path, devices=mg.backend("cpu")).gguf_tensors().items():
+            if t.type != mg.f32:
+                mine[name].set(np.asarray(mg.dequantize(t), np.float32).reshape(mine[name].shape))
 
 
 class LlamaEngine:
@@ -349,10 +395,69 @@ def profile_llama(path, n_threads, n_seqs, n_ctx, phase, quick):
         eng.close()
 
 
+def ttft_worker(cfg: dict, out_path: str) -> int:
+    """Time to first token in this fresh process: the engine's library imported and initialised
+    first (not timed), then the load call, the context, and a PROMPT-token prompt's logits."""
+    import pickle
+    import numpy as np
+    os.dup2(2, 1)                  # whatever the engines print goes to stderr
+    if cfg["engine"] == "minigraph":
+        import minigraph as mg
+        from minigraph.models import gguf_io, runner  # noqa: F401  (imported before the clock starts)
+        mg.backend("cpu")
+        make = MinigraphEngine
+    else:
+        from minigraph.testing import llama_oracle as lo
+        lo.llama_cpp()
+        make = LlamaEngine
+    t0 = time.perf_counter()
+    eng = make(cfg["path"], cfg["threads"], 1, 256)
+    t_load = time.perf_counter()
+    out = eng.decode(tokens_for("decode1", eng.n_vocab, 1, PROMPT, 0))
+    logits = np.asarray(out[0], np.float32)
+    t1 = time.perf_counter()
+    with open(out_path, "wb") as f:
+        pickle.dump(dict(ttft=t1 - t0, load_s=t_load - t0, outs=[{0: logits}]), f)
+    return 0
+
+
+def ttft_row(say, name, ftype, path, nt, quick, reps):
+    """One row: the median time to first token of each engine over reps fresh workers (engines
+    alternating, one process at a time), after one untimed run each for the page cache."""
+    engines = ("llama", "minigraph")
+    got = {e: [] for e in engines}
+    outs = {}
+    for i in range(reps + 1):
+        for e in (engines if i % 2 == 0 else engines[::-1]):
+            w = Worker(dict(path=path, threads=nt, engine=e, ttft=True))
+            try:
+                res = w.finish()
+            except RuntimeError as err:
+                say(f"  ttft {ftype:6s} {nt:3d} FAILED: {e}: {err}")
+                return
+            finally:
+                w.close()
+            outs[e] = res["outs"]
+            if i > 0:                                    # run 0 warms the page cache
+                got[e].append((res["ttft"], res["load_s"]))
+    err = rel_err(outs["minigraph"], outs["llama"])
+    bound = BOUND if ftype == "f32" else QBOUND[ftype]
+    if err > bound:
+        say(f"  ttft {ftype:6s} {nt:3d} logits differ: relative error {err:.3g} > {bound:g}: no time reported")
+        return
+    med = {e: (statistics.median(t for t, _ in v), statistics.median(ld for _, ld in v)) for e, v in got.items()}
+    say(f"  {'ttft':13s} {'type':6s} {'thr':>3s} {'llama s':>8s} {'(load)':>7s} {'mg s':>7s} {'(load)':>7s} "
+        f"{'mg/llama':>8s} {'rel err':>8s} load")
+    say(f"  {'ttft':13s} {ftype:6s} {nt:3d} {med['llama'][0]:8.3f} {med['llama'][1]:7.3f} {med['minigraph'][0]:7.3f} "
+        f"{med['minigraph'][1]:7.3f} {med['minigraph'][0] / med['llama'][0]:8.2f} {err:8.1e} {loadavg().split()[0]}")
+
+
 def worker(cfg: dict, out_path: str) -> int:
     """One engine on one row, driven by the parent over stdin/stdout (one line each way):
     'ready' once warm, then 'rep I' -> seconds, until 'done'; then the peak RSS, the checked
     outputs and the profiles are pickled to out_path."""
+    if cfg.get("ttft"):
+        return ttft_worker(cfg, out_path)
     import pickle
     import resource
     reply = os.fdopen(os.dup(1), "w")
@@ -362,7 +467,10 @@ def worker(cfg: dict, out_path: str) -> int:
     sh = phase_shape(phase, quick)
     n_ctx = n_ctx_for(phase, quick, reps)
     t0 = time.perf_counter()
-    eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
+    if engine == "dequantized":
+        eng = DequantizedEngine(path, nt, sh["n_seqs"], n_ctx, f32_path=cfg["f32_path"])
+    else:
+        eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
     load_s = time.perf_counter() - t0
     run = PhaseRun(eng, phase, quick)
     outs = run.warm()
@@ -488,18 +596,19 @@ def run_row(cfg: dict, reps: int, timeout: float) -> dict:
 
 # -- the driver ----------------------------------------------------------------------------------
 
-def write_model(name: str, spec, folder: str) -> str:
-    """The model's GGUF file (written once per spec into folder)."""
+def write_model(name: str, spec, folder: str, ftype: str = "f32") -> str:
+    """The model's GGUF file in file type ftype (written once per spec and type into folder; the
+    same seeded weights in every type, converted by llama.cpp's rule: models/gguf_types.py)."""
     import hashlib
     import importlib
     mod, _, cls = spec[0].partition(":")
     key = hashlib.sha1(json.dumps([spec[0], spec[1]], sort_keys=True).encode()).hexdigest()[:10]
-    path = os.path.join(folder, f"{name}-{key}.gguf")
+    path = os.path.join(folder, f"{name}-{key}.gguf" if ftype == "f32" else f"{name}-{key}-{ftype}.gguf")
     if not os.path.exists(path):
         import minigraph as mg
         from minigraph.models.gguf_io import save_gguf
         model = getattr(importlib.import_module(mod), cls)(devices=mg.backend("cpu"), seed=7, **spec[1])
-        save_gguf(model, path + ".tmp")
+        save_gguf(model, path + ".tmp", ftype=None if ftype == "f32" else ftype)
         os.replace(path + ".tmp", path)
         del model
     return path
@@ -519,6 +628,46 @@ def rel_err(a_outs, b_outs) -> float:
                 return float("inf")
             worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)))
     return worst
+
+
+def nmse(a_outs, b_outs) -> float:
+    """sum (a - b)^2 / sum b^2 over every output."""
+    import numpy as np
+    num = den = 0.0
+    for a, b in zip(a_outs, b_outs):
+        for s in b:
+            x, y = np.asarray(a[s], np.float64), np.asarray(b[s], np.float64)
+            num, den = num + float(np.sum((x - y) ** 2)), den + float(np.sum(y * y))
+    return num / max(den, 1e-300)
+
+
+def dequantized_outs(cfg: dict, timeout: float):
+    """The checked outputs of DequantizedEngine on this row's phase (a worker of its own), or an
+    {'error': one line} dict."""
+    w = Worker(dict(cfg, engine="dequantized", profile=False))
+    timer = None
+    try:
+        import threading
+        timer = threading.Timer(timeout, w.p.kill)
+        timer.start()
+        w.ask(None)
+        return w.finish()["outs"]
+    except RuntimeError as err:
+        return {"error": str(err)}
+    finally:
+        if timer is not None:
+            timer.cancel()
+        w.close()
+
+
+def exact_calls(a_outs, b_outs, tol=1e-6) -> int:
+    """How many calls, from the first, agree to float32 rounding (relative error <= tol)."""
+    n = 0
+    for a, b in zip(a_outs, b_outs):
+        if rel_err([a], [b]) > tol:
+            break
+        n += 1
+    return n
 
 
 def probe_llama(path) -> str | None:
@@ -551,6 +700,12 @@ def main(argv=None) -> int:
                     help="per-op profiles at 1 thread (default: on, off with --quick)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), f"minigraph-e2e-{os.getuid()}"),
                     help="where the GGUF files are written (kept between runs)")
+    ap.add_argument("--ftype", default=None,
+                    help=f"file types to write the models in, comma separated, of {','.join(FTYPES)} (default f32; "
+                         f"--quick adds one lfm2 q8_0 decode1 row)")
+    ap.add_argument("--ttft", action="store_true",
+                    help="time to first token instead of the phases: load the file and decode a short prompt, "
+                         "each engine in a fresh worker, page cache warm (first thread count only)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md (its own section)")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -559,6 +714,12 @@ def main(argv=None) -> int:
         return worker(json.loads(args.worker[0]), args.worker[1])
     models = [m for m in args.models.split(",") if m]
     phases = [p for p in args.phases.split(",") if p]
+    quick_q8 = args.quick and args.ftype is None and not args.ttft     # CI exercises a quantized file too
+    args.ftype = args.ftype or "f32"
+    ftypes = [t.strip().lower() for t in args.ftype.split(",") if t.strip()]
+    if not ftypes or any(t not in FTYPES for t in ftypes):
+        print(f"bench/e2e.py: --ftype {args.ftype!r}: comma separated, of {', '.join(FTYPES)}", file=sys.stderr)
+        return 2
     bad = [m for m in models if m not in MODELS] + [p for p in phases if p not in PHASES]
     if bad:
         print(f"bench/e2e.py: unknown model or phase {bad[0]!r} (models: {', '.join(MODELS)}; "
@@ -589,52 +750,94 @@ def main(argv=None) -> int:
     say(f"# {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
         f"{platform.python_version()}, llama-cpp-python {lo.VERSION}, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"load avg at start {loadavg()}")
-    say(f"# F32 weights and caches, n_vocab {64 if args.quick else N_VOCAB}, outputs: last token per sequence, "
+    say(f"# {'/'.join(t.upper() for t in ftypes)} weights, F32 caches, n_vocab {64 if args.quick else N_VOCAB}, outputs: last token per sequence, "
         f"n_ubatch 512, medians of {reps} repetition(s){'  (--quick: tiny sizes)' if args.quick else ''}")
     rows, worst, profiles, skipped = [], None, [], []
     for name in models:
         spec = specs[name]
-        path = write_model(name, spec, args.dir)
-        say(f"\n## {name}: {spec[2]} ({os.path.getsize(path) / (1 << 20):.0f} MiB file)")
-        why = probe_llama(path)
-        if why:
-            say(f"  SKIPPED: llama.cpp cannot run minigraph's {name} file: {why}")
-            skipped.append(name)
-            continue
-        say(f"  {'phase':13s} {'thr':>3s} {'llama tok/s':>11s} {'mg tok/s':>9s} {'ratio':>6s} {'rel err':>8s} "
-            f"{'llama RSS':>9s} {'mg RSS':>7s} {'RSS ratio':>9s} load")
-        for phase in phases:
-            for nt in threads:
-                cfg = dict(path=path, phase=phase, threads=nt, reps=reps, quick=args.quick,
-                           profile=profile and nt == 1)
-                res = run_row(cfg, reps, 120 if args.quick else 1800)
-                load = loadavg().split()[0]
-                errs = [f"{e}: {r['error']}" for e, r in res.items() if "error" in r]
-                if errs:
-                    say(f"  {phase:13s} {nt:3d} FAILED: {'; '.join(errs)}")
-                    rows.append((name, phase, nt, None))
-                    continue
-                err = rel_err(res["minigraph"]["outs"], res["llama"]["outs"])
-                flag = "" if err <= TARGET else ("!" if err <= BOUND else " REFUSED")
-                if err > BOUND:
-                    say(f"  {phase:13s} {nt:3d} logits differ: relative error {err:.3g} > {BOUND:g}: no speed reported")
-                    rows.append((name, phase, nt, None))
-                    continue
-                tps = {e: r["tokens"] / statistics.median(r["times"]) for e, r in res.items()}
-                ratio = tps["minigraph"] / tps["llama"]
-                rss = {e: r["rss"] for e, r in res.items()}
-                say(f"  {phase:13s} {nt:3d} {tps['llama']:11.1f} {tps['minigraph']:9.1f} {ratio:6.2f} "
-                    f"{err:8.1e}{flag:1s} {mib(rss['llama']):>8s}M {mib(rss['minigraph']):>6s}M "
-                    f"{rss['minigraph'] / rss['llama']:9.2f} {load}")
-                rows.append((name, phase, nt, ratio))
-                if worst is None or ratio < worst[0]:
-                    worst = (ratio, name, phase, nt)
-                if "pieces" in res["minigraph"] or "ops" in res["llama"]:
-                    profiles.append((name, phase, nt, res))
+        say(f"\n## {name}: {spec[2]}")
+        extra = ["q8_0"] if quick_q8 and name == "lfm2" else []
+        for ftype in ftypes + extra:
+            path = write_model(name, spec, args.dir, ftype)
+            bound = BOUND if ftype == "f32" else QBOUND[ftype]
+            deq = {}                                     # phase -> outputs of the dequantize-then-f32 model
+            say(f"  {ftype.upper()} file: {os.path.getsize(path) / (1 << 20):.0f} MiB")
+            why = probe_llama(path)
+            if why:
+                say(f"  SKIPPED: llama.cpp cannot run minigraph's {name} {ftype} file: {why}")
+                skipped.append(f"{name} {ftype}")
+                continue
+            if args.ttft:
+                ttft_row(say, name, ftype, path, threads[0], args.quick, reps)
+                continue
+            say(f"  {'phase':13s} {'type':6s} {'thr':>3s} {'llama tok/s':>11s} {'mg tok/s':>9s} {'ratio':>6s} "
+                f"{'rel err':>8s} {'llama RSS':>9s} {'mg RSS':>7s} {'RSS ratio':>9s} load")
+            for phase in (phases if ftype not in extra else ["decode1"]):
+                for nt in threads:
+                    cfg = dict(path=path, phase=phase, threads=nt, reps=reps, quick=args.quick,
+                               profile=profile and nt == 1)
+                    res = run_row(cfg, reps, 120 if args.quick else 1800)
+                    load = loadavg().split()[0]
+                    errs = [f"{e}: {r['error']}" for e, r in res.items() if "error" in r]
+                    if errs:
+                        say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: {'; '.join(errs)}")
+                        rows.append((name, phase, nt, None))
+                        continue
+                    err = rel_err(res["minigraph"]["outs"], res["llama"]["outs"])
+                    flag, arith = "" if err <= (TARGET if ftype == "f32" else bound) else "!", ""
+                    if ftype != "f32":
+                        if phase not in deq:
+                            deq[phase] = dequantized_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)),
+                                                          120 if args.quick else 1800)
+                        if "error" in deq[phase]:
+                            say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: dequantized model: {deq[phase]['error']}")
+                            rows.append((name, phase, nt, None))
+                            continue
+                        mine, floats = nmse(res["minigraph"]["outs"], res["llama"]["outs"]), nmse(deq[phase], res["llama"]["outs"])
+                        ratio_nmse = mine / max(floats, 1e-300)
+                        n_ex = exact_calls(res["minigraph"]["outs"], res["llama"]["outs"])
+                        arith = (f"  calls exact {n_ex}/{len(res['llama']['outs'])}, "
+                                 f"nmse {mine:.1e} = {ratio_nmse:.1e} x float products{'!' if ratio_nmse > min(NMSE_TARGET, NMSE_BOUND[ftype]) else ''}")
+                        if ratio_nmse > NMSE_BOUND[ftype]:
+                            say(f"  {phase:13s} {ftype:6s} {nt:3d} logits differ: NMSE {mine:.3g} is {ratio_nmse:.3g} x a "
+                                f"dequantize-then-f32 model's (> {NMSE_BOUND[ftype]:g}): not ggml's arithmetic; no speed reported")
+                            rows.append((name, phase, nt, None))
+                            continue
+                    if err > bound:
+                        say(f"  {phase:13s} {ftype:6s} {nt:3d} logits differ: relative error {err:.3g} > {bound:g}: "
+                            f"no speed reported")
+                        rows.append((name, phase, nt, None))
+                        continue
+                    tps = {e: r["tokens"] / statistics.median(r["times"]) for e, r in res.items()}
+                    ratio = tps["minigraph"] / tps["llama"]
+                    rss = {e: r["rss"] for e, r in res.items()}
+                    say(f"  {phase:13s} {ftype:6s} {nt:3d} {tps['llama']:11.1f} {tps['minigraph']:9.1f} {ratio:6.2f} "
+                        f"{err:8.1e}{flag:1s} {mib(rss['llama']):>8s}M {mib(rss['minigraph']):>6s}M "
+                        f"{rss['minigraph'] / rss['llama']:9.2f} {load}{arith}")
+                    rows.append((name, phase, nt, ratio))
+                    if worst is None or ratio < worst[0]:
+                        worst = (ratio, name, f"{phase} {ftype}" if ftype != "f32" else phase, nt)
+                    if "pieces" in res["minigraph"] or "ops" in res["llama"]:
+                        profiles.append((name, f"{phase} {ftype}", nt, res))
         for (n_, phase, nt, res) in [p for p in profiles if p[0] == name]:
             print_profile(say, n_, phase, nt, res)
+    if args.ttft:
+        say(f"\n# time to first token: from the start of the engine's load call (its library already imported "
+            f"and initialised) to the logits of a {PROMPT}-token prompt, each run in a fresh worker process of "
+            f"its own, one at a time; one untimed load per engine first, so the file is in the page cache; "
+            f"medians of {reps}")
+        say(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {loadavg()}")
+        if args.write:
+            write_results("\n".join(lines), args)
+        return 0
     say(f"\n# relative logits error: max |minigraph - llama.cpp| / max |llama.cpp| over the first repetition's "
-        f"outputs; target {TARGET:g} ('!' marks a row above it), rows above {BOUND:g} are refused")
+        f"outputs; f32 target {TARGET:g} ('!' marks a row above it), f32 rows above {BOUND:g} are refused"
+        + ("" if ftypes == ["f32"] and not quick_q8 else
+           "; other types: rows above " + ", ".join(f"{t} {QBOUND[t]:g}" for t in FTYPES
+                                                     if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
+           + " are refused, and rows whose NMSE is above " + ", ".join(f"{t} {NMSE_BOUND[t]:g}" for t in FTYPES
+                                                     if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
+           + " x a dequantize-then-f32 model's ('!' above 0.01 x; see QBOUND in bench/e2e.py)"))
     say(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {loadavg()}"
         + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     if args.write:
@@ -676,7 +879,10 @@ SECTION_END = "<!-- bench/e2e.py --write{key}: end -->"
 def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
     """Replace this script's section for these models of bench/RESULTS.md (between the markers),
     or append it: runs of other model sets keep their own sections."""
-    key = f" ({getattr(args, 'models', '')})" if getattr(args, "models", "") else ""
+    tags = [getattr(args, "models", "")]
+    tags += [] if getattr(args, "ftype", "f32") in ("f32", None) else [args.ftype]
+    tags += ["ttft"] if getattr(args, "ttft", False) else []
+    key = f" ({', '.join(t for t in tags if t)})" if any(tags) else ""
     begin, end = SECTION_BEGIN.format(key=key), SECTION_END.format(key=key)
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
     try:

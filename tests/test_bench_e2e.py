@@ -35,15 +35,32 @@ def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
     lines = p.stdout.strip().splitlines()
     assert re.fullmatch(r"e2e: worst tokens/s ratio minigraph/llama\.cpp: [0-9.]+ \(\w+, \w+, \d+\)", lines[-1])
-    rows = [s for s in lines if re.match(r"\s+(prefill|decode)\S* +\d+ ", s)]
+    rows = [s for s in lines if re.match(r"\s+(prefill|decode)\S* +\w+ +\d+ ", s)]
     # every phase of every model llama.cpp runs is a row with a speed (a refused or failed row prints no ratio)
     measured = {m for m in e2e.MODELS if f"## {m}:" in p.stdout and f"SKIPPED: llama.cpp cannot run minigraph's {m}" not in p.stdout}
     assert {"mamba2", "lfm2", "qwen35"} <= measured, p.stdout
-    assert len(rows) == len(measured) * len(e2e.PHASES), p.stdout
+    # and one row of lfm2 from a Q8_0 file, checked against its own (activation rounding) bound
+    q8 = [s for s in rows if s.split()[1] == "q8_0"]
+    assert len(q8) == 1 and q8[0].split()[0] == "decode1", p.stdout
+    assert len(rows) == len(measured) * len(e2e.PHASES) + 1, p.stdout
     for row in rows:
         assert "FAILED" not in row and "logits differ" not in row, row
-        err = float(row.split()[5].rstrip("!"))
-        assert err <= e2e.BOUND, row
+        ftype, err = row.split()[1], float(row.split()[6].rstrip("!"))
+        assert err <= (e2e.BOUND if ftype == "f32" else e2e.QBOUND[ftype]), row
+
+
+@pytest.mark.llama
+def test_ttft_rows(tmp_path):
+    """--ttft: one row per file type, both engines' times and the logits of the first token checked."""
+    if not lo.installed():
+        pytest.skip(lo.not_installed_reason())
+    p = subprocess.run([sys.executable, SCRIPT, "--quick", "--ttft", "--models", "lfm2", "--ftype", "f32,q8_0",
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    rows = [s.split() for s in p.stdout.splitlines() if re.match(r"\s+ttft +(f32|q8_0) ", s)]
+    assert [r[1] for r in rows] == ["f32", "q8_0"], p.stdout
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[5]) > 0 and float(r[8]) <= 1e-2, r
 
 
 def test_write_replaces_only_its_section(e2e, tmp_path):
@@ -68,3 +85,24 @@ def test_bad_flags_are_one_line(tmp_path):
     p = subprocess.run([sys.executable, SCRIPT, "--models", "gpt9", "--dir", str(tmp_path)], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "unknown model or phase 'gpt9'" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, SCRIPT, "--ftype", "q3_x", "--dir", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--ftype 'q3_x'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_write_sections_by_file_type_and_ttft(e2e, tmp_path):
+    """A quantized run or a --ttft run of a model set keeps a section of its own."""
+    p = tmp_path / "RESULTS.md"
+
+    class Args:
+        models, ftype, ttft = "lfm2", "f32", False
+    e2e.write_results("f32 rows", Args(), str(p))
+    Args.ftype = "q8_0,q4_k_m"
+    e2e.write_results("quantized rows", Args(), str(p))
+    Args.ftype, Args.ttft = "f32", True
+    e2e.write_results("ttft rows", Args(), str(p))
+    doc = p.read_text()
+    for key, text in [(" (lfm2)", "f32 rows"), (" (lfm2, q8_0,q4_k_m)", "quantized rows"), (" (lfm2, ttft)", "ttft rows")]:
+        assert doc.count(e2e.SECTION_BEGIN.format(key=key)) == 1, doc
+        a = doc.index(e2e.SECTION_BEGIN.format(key=key))
+        assert text in doc[a:doc.index(e2e.SECTION_END.format(key=key))]
