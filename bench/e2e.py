@@ -6,7 +6,8 @@
     python bench/e2e.py --write              # also (re)write this script's section of bench/RESULTS.md
 
 Each model is written once by minigraph (models/gguf_io.save_gguf, seeded random F32 weights at
-realistic sizes) and the same file is loaded by both engines. Every row (model, phase, threads,
+realistic sizes; cached in --dir under a key of the spec and the writing code's source) and the
+same file is loaded by both engines. Every row (model, phase, threads,
 engine) runs in a fresh worker process of its own, so its peak RSS (ru_maxrss) is that engine's
 alone, and llama.cpp's ggml never shares a process with anything else. Both engines get the same
 token ids and the same decode calls:
@@ -114,8 +115,10 @@ def model_specs(quick: bool) -> dict:
                    "Qwen3.5-like ~150M: n_embd 768, 12 blocks (gated attention every 4th), "
                    "4 k / 8 v heads of 128, n_ff 2048"),
         "kimi": ("minigraph.models.kda:KDAModel",
-                 dict(n_vocab=V, n_embd=768, n_layer=12, n_head=6, head_dim=128, n_ff=2048),
-                 "Kimi-Linear-like ~150M: n_embd 768, 12 blocks (MLA every 4th, as Kimi-Linear), 6 heads of 128, n_ff 2048"),
+                 dict(n_vocab=V, n_embd=768, n_layer=12, n_head=6, head_dim=128, n_ff=2048,
+                      kv_lora_rank=512, mla_k_head_dim=192, mla_v_head_dim=128, n_rot=64),
+                 "Kimi-Linear-like ~150M: n_embd 768, 12 blocks (MLA every 4th), 6 heads of 128, n_ff 2048, "
+                 "Kimi-Linear's MLA sizes (kv_lora_rank 512, keys 192 of which n_rot 64, values 128)"),
     }
 
 
