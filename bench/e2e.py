@@ -6,7 +6,8 @@
     python bench/e2e.py --write              # also (re)write this script's section of bench/RESULTS.md
 
 Each model is written once by minigraph (models/gguf_io.save_gguf, seeded random F32 weights at
-realistic sizes) and the same file is loaded by both engines. Every row (model, phase, threads,
+realistic sizes; cached in --dir under a key of the spec and the writing code's source) and the
+same file is loaded by both engines. Every row (model, phase, threads,
 engine) runs in a fresh worker process of its own, so its peak RSS (ru_maxrss) is that engine's
 alone, and llama.cpp's ggml never shares a process with anything else. Both engines get the same
 token ids and the same decode calls:
@@ -114,8 +115,10 @@ def model_specs(quick: bool) -> dict:
                    "Qwen3.5-like ~150M: n_embd 768, 12 blocks (gated attention every 4th), "
                    "4 k / 8 v heads of 128, n_ff 2048"),
         "kimi": ("minigraph.models.kda:KDAModel",
-                 dict(n_vocab=V, n_embd=768, n_layer=12, n_head=6, head_dim=128, n_ff=2048),
-                 "Kimi-Linear-like ~150M: n_embd 768, 12 KDA blocks, 6 heads of 128, n_ff 2048"),
+                 dict(n_vocab=V, n_embd=768, n_layer=12, n_head=6, head_dim=128, n_ff=2048,
+                      kv_lora_rank=512, mla_k_head_dim=192, mla_v_head_dim=128, n_rot=64),
+                 "Kimi-Linear-like ~150M: n_embd 768, 12 blocks (MLA every 4th), 6 heads of 128, n_ff 2048, "
+                 "Kimi-Linear's MLA sizes (kv_lora_rank 512, keys 192 of which n_rot 64, values 128)"),
     }
 
 
@@ -596,13 +599,31 @@ def run_row(cfg: dict, reps: int, timeout: float) -> dict:
 
 # -- the driver ----------------------------------------------------------------------------------
 
+def writer_sources(cls) -> list:
+    """The source files that decide a written file's bytes: the model class's modules (its own and
+    its bases' in minigraph.models: defaults, hparams, seeded weights), the GGUF writer, the type
+    rules and the quantizers. A file cached by older code must not be reused: a kimi file written
+    before the MLA default came in (head_count_kv [0, 0], no attention block) stayed in the cache
+    and made llama.cpp abort (its hybrid memory then has no K cache to index)."""
+    import importlib
+    import inspect
+    mods = {c.__module__ for c in cls.__mro__ if c.__module__.startswith("minigraph.models")}
+    mods |= {"minigraph.models.gguf_io", "minigraph.models.gguf_types", "minigraph.codec"}
+    return sorted(inspect.getsourcefile(importlib.import_module(m)) for m in mods)
+
+
 def write_model(name: str, spec, folder: str, ftype: str = "f32") -> str:
-    """The model's GGUF file in file type ftype (written once per spec and type into folder; the
-    same seeded weights in every type, converted by llama.cpp's rule: models/gguf_types.py)."""
+    """The model's GGUF file in file type ftype (written once per spec, type and writer source into
+    folder; the same seeded weights in every type, converted by llama.cpp's rule:
+    models/gguf_types.py)."""
     import hashlib
     import importlib
     mod, _, cls = spec[0].partition(":")
-    key = hashlib.sha1(json.dumps([spec[0], spec[1]], sort_keys=True).encode()).hexdigest()[:10]
+    h = hashlib.sha1(json.dumps([spec[0], spec[1]], sort_keys=True).encode())
+    for src in writer_sources(getattr(importlib.import_module(mod), cls)):
+        with open(src, "rb") as f:
+            h.update(f.read())
+    key = h.hexdigest()[:10]
     path = os.path.join(folder, f"{name}-{key}.gguf" if ftype == "f32" else f"{name}-{key}-{ftype}.gguf")
     if not os.path.exists(path):
         import minigraph as mg

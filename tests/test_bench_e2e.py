@@ -38,7 +38,7 @@ def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
     rows = [s for s in lines if re.match(r"\s+(prefill|decode)\S* +\w+ +\d+ ", s)]
     # every phase of every model llama.cpp runs is a row with a speed (a refused or failed row prints no ratio)
     measured = {m for m in e2e.MODELS if f"## {m}:" in p.stdout and f"SKIPPED: llama.cpp cannot run minigraph's {m}" not in p.stdout}
-    assert {"mamba2", "lfm2", "qwen35"} <= measured, p.stdout
+    assert {"mamba2", "lfm2", "qwen35", "kimi"} <= measured, p.stdout     # every default file runs in llama.cpp
     # and one row of lfm2 from a Q8_0 file, checked against its own (activation rounding) bound
     q8 = [s for s in rows if s.split()[1] == "q8_0"]
     assert len(q8) == 1 and q8[0].split()[0] == "decode1", p.stdout
@@ -47,6 +47,26 @@ def test_quick_mode_checks_logits_on_every_row(e2e, tmp_path):
         assert "FAILED" not in row and "logits differ" not in row, row
         ftype, err = row.split()[1], float(row.split()[6].rstrip("!"))
         assert err <= (e2e.BOUND if ftype == "f32" else e2e.QBOUND[ftype]), row
+
+
+def test_cached_file_follows_the_writer_source(e2e, tmp_path, monkeypatch):
+    """A file written by other model or writer code is not reused: a kimi file cached before its
+    MLA default (no attention block) made llama.cpp abort."""
+    spec = e2e.model_specs(True)["kimi"]
+    src = tmp_path / "src.py"
+    monkeypatch.setattr(e2e, "writer_sources", lambda cls: [str(src)])
+    src.write_text("# one version")
+    a = e2e.write_model("kimi", spec, str(tmp_path))
+    assert e2e.write_model("kimi", spec, str(tmp_path)) == a           # the same code: the cached file
+    src.write_text("# another version")
+    b = e2e.write_model("kimi", spec, str(tmp_path))
+    assert b != a and os.path.getsize(b) > 0
+
+
+def test_writer_sources_name_the_model_and_the_writer(e2e):
+    from minigraph.models.kda import KDAModel
+    names = {os.path.basename(f) for f in e2e.writer_sources(KDAModel)}
+    assert {"kda.py", "base.py", "gguf_io.py", "gguf_types.py", "codec.py"} <= names, names
 
 
 @pytest.mark.llama
