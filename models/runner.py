@@ -179,6 +179,16 @@ class Runner:
     def _state_bytes(self) -> dict:
         return {t.name: t.numpy().tobytes() for t in self.memory.tensors()}   # r/s (and K/V) caches
 
+    def live_state_bytes(self) -> bytes:
+        """Every layer's live recurrent state (plane 0 of its r and s caches), in layer order: what
+        two runs that saw the same accepted tokens must hold byte for byte (the state check)."""
+        out = b""
+        for il in self.model.layers:
+            for t in (self.memory.r_l.get(il), self.memory.s_l.get(il)):
+                if t is not None:
+                    out += t.numpy()[: self.memory.size].tobytes()
+        return out
+
     @contextmanager
     def step(self):
         """One failure-atomic step: the memory is restored if the body raises. Steps nest: an

@@ -64,15 +64,6 @@ def threads():
         d.set_n_threads(n)
 
 
-def _state_bytes(runner) -> bytes:
-    out = b""
-    for il in runner.model.layers:
-        for t in (runner.memory.r_l.get(il), runner.memory.s_l.get(il)):
-            if t is not None:
-                out += t.numpy()[: runner.memory.size].tobytes()   # plane 0: the live state
-    return out
-
-
 def state_check(model, devices, n_rs_seq: int, draft: int, steps: int = STEPS, seed: int = 0) -> str:
     """cmd_run's decode and state check; '' when it passes, else what differs."""
     ubatch = max(8, n_rs_seq + 2)
@@ -101,7 +92,7 @@ def state_check(model, devices, n_rs_seq: int, draft: int, steps: int = STEPS, s
     why = []
     if not np.array_equal(np.asarray(last).view(np.uint8), np.asarray(ref_last).view(np.uint8)):
         why.append(f"last logits differ (max |diff| {np.max(np.abs(np.asarray(last) - np.asarray(ref_last))):.3g})")
-    a, b = _state_bytes(r), _state_bytes(ref)
+    a, b = r.live_state_bytes(), ref.live_state_bytes()
     if a != b:
         x, y = np.frombuffer(a, np.float32), np.frombuffer(b, np.float32)
         why.append(f"{int(np.sum(x != y))} of {x.size} state floats differ")

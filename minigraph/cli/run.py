@@ -30,15 +30,6 @@ def add_parser(sub):
     p.set_defaults(fn=cmd_run)
 
 
-def _state_bytes(runner) -> bytes:
-    out = b""
-    for il in runner.model.layers:
-        for t in (runner.memory.r_l.get(il), runner.memory.s_l.get(il)):
-            if t is not None:
-                out += t.numpy()[: runner.memory.size].tobytes()   # plane 0: the live state
-    return out
-
-
 def cmd_run(args):
     from minigraph.models.runner import DecodeError
     longest_draft = args.draft if args.draft is not None else max(args.n_rs_seq, 1)
@@ -81,7 +72,7 @@ def cmd_run(args):
         for c in chunks:
             ref.decode_seq_tokens({0: c})
         ref_last = ref.decode_seq_tokens({0: [0]})[0]
-        ok = np.array_equal(last, ref_last) and _state_bytes(r) == _state_bytes(ref)
+        ok = np.array_equal(last, ref_last) and r.live_state_bytes() == ref.live_state_bytes()
     except DecodeError:
         ok = False
     st = r.stats
