@@ -125,6 +125,21 @@ def other_ggml_loaded(d: Path) -> str | None:
     return None
 
 
+def resolve_symbol(owner, libs, name: str):
+    """The first of ``libs`` (cffi libraries, in search order) that has ``name``; cached on owner,
+    so each symbol is looked up once. ggml splits its API over several shared libraries."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    for lib in libs:
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            continue
+        setattr(owner, name, fn)
+        return fn
+    raise AttributeError(name)
+
+
 class Library:
     """The loaded libraries, resolved symbol by symbol (cpu, rpc, registry, then base)."""
 
@@ -161,16 +176,7 @@ class Library:
         return True
 
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        for lib in self._libs:
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                continue
-            setattr(self, name, fn)
-            return fn
-        raise AttributeError(name)
+        return resolve_symbol(self, self._libs, name)
 
 
 _LIB: Library | None = None

@@ -17,6 +17,7 @@ import numpy as np
 from cffi import FFI
 
 from minigraph.graph import Graph
+from minigraph.backends.ggml.lib import resolve_symbol
 from minigraph.backends.ggml.lowering import (CDEF_TENSOR, GgmlBuilder, cdef_for_ops, layout_mismatch,
                                                translate, translation_problem)
 from minigraph.registry import OPS
@@ -64,14 +65,7 @@ class _Lib:
     """Resolve a symbol in libggml-cpu first, then libggml-base."""
 
     def __getattr__(self, name):
-        for lib in (_cpu, _base):
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                continue
-            setattr(self, name, fn)
-            return fn
-        raise AttributeError(name)
+        return resolve_symbol(self, (_cpu, _base), name)
 
 
 lib = _Lib()
