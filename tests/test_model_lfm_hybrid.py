@@ -19,6 +19,7 @@ from minigraph.models.runner import Runner
 
 from refs import check
 from refs.lfm_hybrid_ref import LfmHybridRef
+from gguf_rewrite import rewrite_gguf
 
 PATTERNS = {                       # per-layer head_count_kv: 0 = short conv
     "conv-attn-conv": [0, 2, 0],
@@ -157,35 +158,8 @@ def test_gguf_round_trip_any_layer_pattern(tmp_path, pattern):
         assert np.array_equal(a[s], b[s])
 
 
-def _rewrite(src, dst, kv_edit=None, tensor_edit=None, extra=()):
-    """Copy a GGUF file, changing keys (kv_edit(key, value) -> value or None to drop) and tensors."""
-    import gguf
-    T = gguf.GGUFValueType
-    rd = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "lfm2")
-    for name, f in rd.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        from minigraph.models.gguf_io import _field_value
-        v = _field_value(f)
-        if kv_edit:
-            v = kv_edit(name, v)
-            if v is None:
-                continue
-        sub = f.types[-1] if f.types[0] == T.ARRAY else None
-        w.add_key_value(name, v, f.types[0], sub_type=sub)
-    for name, v, t, sub in extra:
-        w.add_key_value(name, v, t, sub_type=sub)
-    for t in rd.tensors:
-        arr = np.array(t.data)
-        if tensor_edit:
-            arr = tensor_edit(t.name, arr)
-        w.add_tensor(t.name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+def _rewrite(src, dst, **edits):
+    return rewrite_gguf(src, dst, "lfm2", **edits)
 
 
 def test_unknown_keys_are_kept_on_a_round_trip(tmp_path):

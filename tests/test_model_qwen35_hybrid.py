@@ -18,6 +18,7 @@ from minigraph.models.runner import Runner
 
 from refs import check
 from refs.delta_net_hybrid_ref import DeltaNetHybridRef
+from gguf_rewrite import rewrite_gguf
 
 LAYOUTS = {                 # name -> constructor arguments beyond model()'s
     "every-2nd": dict(n_layer=4, full_attention_interval=2),
@@ -157,31 +158,8 @@ def test_a_file_without_attention_blocks_still_loads_as_recurrent_only(tmp_path)
         assert np.array_equal(a[s], b[s])
 
 
-def _rewrite(src, dst, kv_edit=None, extra=()):
-    import gguf
-    from minigraph.models.gguf_io import _field_value
-    T = gguf.GGUFValueType
-    rd = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "qwen35")
-    for name, f in rd.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        v = _field_value(f)
-        if kv_edit:
-            v = kv_edit(name, v)
-            if v is None:
-                continue
-        sub = f.types[-1] if f.types[0] == T.ARRAY else None
-        w.add_key_value(name, v, f.types[0], sub_type=sub)
-    for name, v, t, sub in extra:
-        w.add_key_value(name, v, t, sub_type=sub)
-    for t in rd.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+def _rewrite(src, dst, **edits):
+    return rewrite_gguf(src, dst, "qwen35", **edits)
 
 
 def test_unknown_keys_are_kept_on_a_round_trip(tmp_path):
