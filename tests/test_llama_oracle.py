@@ -28,6 +28,9 @@ from minigraph.models.mamba2 import Mamba2Model
 from minigraph.models.runner import Runner
 from minigraph.testing import llama_oracle as lo
 
+# one thread on minigraph's cpu device (llama.cpp's worker gets n_threads=1 too)
+from llama_hybrid_compare import one_cpu_thread  # noqa: F401  (an autouse fixture)
+
 pytestmark = pytest.mark.llama
 
 
@@ -43,16 +46,6 @@ BOUND_F16_KV = 2e-3            # a file with attention layers: llama.cpp keeps K
 N_UBATCH = 8
 # every comparison made, for the summary printed at the end: (arch, scenario) -> max relative error
 RESULTS: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """One thread on minigraph's cpu device (llama.cpp's worker gets n_threads=1 too)."""
-    d = mg.backend("cpu")
-    saved = d.n_threads
-    d.set_n_threads(1)
-    yield
-    d.n_threads = saved
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
