@@ -189,6 +189,30 @@ def test_ctrl_c_is_one_line_and_exit_130():
     assert p.returncode == 130 and err.decode().strip() == "minigraph: interrupted", err
 
 
+LOST_INTERRUPT = """
+import sys, time
+from minigraph.cli import interrupt
+interrupt.install()
+class Slow:
+    def __del__(self):
+        time.sleep(30)          # Ctrl-C lands here: Python reports the KeyboardInterrupt as ignored
+Slow()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_ctrl_c_lost_in_a_finalizer_still_ends_the_run():
+    # the CI failure this guards against: SIGINT arrived inside a weakref callback, the
+    # KeyboardInterrupt was swallowed and `minigraph run --steps 1000000` went on
+    p = subprocess.Popen([sys.executable, "-c", LOST_INTERRUPT], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 130 and err.decode().strip() == "minigraph: interrupted", err
+
+
 def test_environment_flags_take_every_spelling():
     for word, want in [("1", True), ("yes", True), ("ON", True), ("true", True),
                        ("0", False), ("no", False), ("off", False), ("False", False), ("", True)]:

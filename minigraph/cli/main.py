@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import bench, check, placement, quantize, reuse, rpc_server, run
+from . import bench, check, interrupt, placement, quantize, reuse, rpc_server, run
 from .args import Parser
 
 DESCRIPTION = ("Run tiny recurrent models with speculative drafts and rollbacks, show where "
@@ -50,6 +50,7 @@ def _quiet_stdout():
 
 def main(argv=None) -> int:
     from minigraph import env
+    interrupt.install()
     try:
         env.check_all()
     except env.EnvError as e:
@@ -61,8 +62,7 @@ def main(argv=None) -> int:
     except SystemExit:
         raise
     except KeyboardInterrupt:
-        print("minigraph: interrupted", file=sys.stderr)
-        return 130
+        return interrupt.report()
     except BrokenPipeError:
         _quiet_stdout()
         return 141
