@@ -189,8 +189,10 @@ def all_cases(quick):
     cases.append(concat_case(8))
     cases.append(concat_case(512))
     cases.append(cont_t_case())
-    for n in (1, 8, 512):
+    for n in (1, 4, 8, 512):
         cases.append(mul_mat_case(n))
+    # decode with 4 sequences at a small model's width (mamba2-130m's in_proj: 768 -> 3352)
+    cases.append(mul_mat_case(4, k=768, m=3352))
     for name in QUANT_TYPES:
         cases.append(mul_mat_weights_case(getattr(mg, name)))
     return cases
@@ -242,7 +244,7 @@ class GgmlRunner:
             t = g[leaf] = lib.ggml_new_tensor(self.ctx, leaf.type.ggml_id, 4, leaf.ne)
             data = np.ascontiguousarray(b.data[leaf], dtype=leaf.type.np_dtype)
             ffi.memmove(t.data, data.tobytes(), data.nbytes)
-        gb = go.GgmlBuilder(self.ctx)
+        gb = go.GgmlBuilder(self.ctx, lib, ffi)
         for node in gf.nodes:
             g[node] = go.translate(gb, node, lambda name, node=node: g[node.srcs[name]])
         self.g, self.out = g, mg_runner.out
