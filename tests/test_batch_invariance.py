@@ -116,6 +116,47 @@ def test_mul_mat_wide_batch_crosses_column_blocks(n_threads):
         assert np.array_equal(got[:, :, c].view(np.uint32), alone[:, :, 0].view(np.uint32)), c
 
 
+def _weights(rng, t, M, K):
+    w = rng.uniform(-1, 1, (M, K)).astype(np.float32)
+    return w if t == mg.f32 else np.asarray(mg.quantize(w, t)).view(t.np_dtype).reshape(M, -1)
+
+
+def _mul_mat_2d_weights(t, w, K, M, x: np.ndarray, lb: str, be) -> np.ndarray:
+    """cpu mul_mat of a 2D weight [K, M] of type t by x [n_seqs, n_seq_tokens, K] (sequences as
+    planes, as a recurrent layer's decode step has them); result [n_seqs, n_seq_tokens, M]."""
+    b = Built(Context())
+    out = b.out(mg.mul_mat(b.leaf(t, (K, M), data=w), _tensor(b, x[None], lb)))
+    return run_built(b, be)[0].reshape(x.shape[:2] + (M,))
+
+
+@pytest.mark.parametrize("t", [mg.f32, mg.q8_0, mg.q4_k], ids=lambda t: t.name)
+@pytest.mark.parametrize("lb", ["contig", "strided"])
+def test_mul_mat_sequences_as_planes_equal_single_columns(t, lb):
+    """A weight shared by every plane of b ([K, n_seq_tokens, n_seqs]): the kernel may take the
+    planes as one run of columns (contig: the weight is then read once, not once per sequence),
+    or plane by plane (strided: padded planes are no run); either way each token's column equals
+    its single-column 2D product byte for byte, from 1 to 30 sequences (past the packed path's
+    24 columns), at 1 and 2 threads."""
+    K, M = 256 + 37 if t == mg.f32 else 512, 67
+    rng = np.random.default_rng(11)
+    w = _weights(rng, t, M, K)
+    pool = rng.uniform(-1, 1, (30, 2, K)).astype(np.float32)
+    one = _backend(1)
+    single = np.stack([np.stack([_mul_mat_2d_weights(t, w, K, M, pool[s:s + 1, i:i + 1], "contig", one)[0, 0]
+                                 for i in range(2)]) for s in range(30)])
+    ref = pool.astype(np.float64) @ (w.astype(np.float64).T if t == mg.f32 else
+                                     mg.dequantize(np.ascontiguousarray(w).view(np.uint8), t).reshape(M, K).T)
+    np.testing.assert_allclose(single, ref, rtol=2e-2, atol=2e-2 * np.sqrt(K))
+    for n_threads in (1, 2):
+        be = _backend(n_threads)
+        for n_seqs, n_tok in ((1, 1), (4, 1), (3, 2), (9, 1), (30, 1), (13, 2)):
+            got = _mul_mat_2d_weights(t, w, K, M, pool[:n_seqs, :n_tok], lb, be)
+            want = single[:n_seqs, :n_tok]
+            if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                pytest.fail(f"{t.name} weights, {n_seqs} sequences x {n_tok} tokens ({lb}, {n_threads} threads): "
+                            f"{int(np.sum(got != want))} elements differ from the single-column results")
+
+
 # (K, M, N, a planes, b planes, layout of a, layout of b): the packed prefill path (24 or more
 # columns) -- k tails and several k blocks, odd M across row blocks, planes with broadcast,
 # strided and swapped views, and more columns than one slab of results (512)

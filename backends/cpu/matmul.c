@@ -444,8 +444,10 @@ static void direct_block(const mg_tensor *a, const mg_tensor *b, const mg_tensor
 void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
     if (n->src[0].type != MG_F32) { mg_mul_mat_blocks(n, ith, nth); return; }   /* quant_matmul.c */
     const mg_tensor *a = &n->src[0];
-    const mg_tensor *b = &n->src[1];
-    const mg_tensor *d = &n->dst;
+    mg_tensor bm = n->src[1], dm = n->dst;
+    mg_mul_mat_merge_planes(a, &bm, &dm);
+    const mg_tensor *b = &bm;
+    const mg_tensor *d = &dm;
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t planes = b->ne[2] * b->ne[3];
     int64_t j0, j1;
