@@ -773,6 +773,9 @@ def main(argv=None) -> int:
         f"load avg at start {loadavg()}")
     say(f"# {'/'.join(t.upper() for t in ftypes)} weights, F32 caches, n_vocab {64 if args.quick else N_VOCAB}, outputs: last token per sequence, "
         f"n_ubatch 512, medians of {reps} repetition(s){'  (--quick: tiny sizes)' if args.quick else ''}")
+    if not lo.weight_repacking():
+        say("# llama.cpp's weight repacking (extra buffer types) is off: this CPU has AMX, and the vendored "
+            "ggml's AMX matmul dies with SIGILL (minigraph.testing.llama_oracle.weight_repacking)")
     rows, worst, profiles, skipped = [], None, [], []
     for name in models:
         spec = specs[name]

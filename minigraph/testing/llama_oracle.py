@@ -205,6 +205,27 @@ def batch_order(seq_tokens: dict) -> list:
     return [(int(s), int(t), j) for s, toks in seq_tokens.items() for j, t in enumerate(toks)]
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU advertises AMX (Linux /proc/cpuinfo flags; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_int8" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def weight_repacking() -> bool:
+    """Whether llama.cpp may use its extra CPU buffer types (weights repacked for AMX or for
+    wider dot products; `use_extra_bufts`). Off where the CPU has AMX: the AMX matmul of the
+    vendored ggml dies with SIGILL at its first `tilezero` on such machines (seen on a KVM guest
+    whose kernel grants the tile permission and runs AMX code of its own fine), which would end
+    every quantized comparison. llama.cpp then runs its plain CPU kernels, as it does for F32."""
+    return not cpu_has_amx()
+
+
 class LlamaOracle:
     """One llama.cpp model and context in this process (see the module docstring). Not in a
     process that has loaded libggml-python: its libggml-base.so has the same name as llama.cpp's,
@@ -221,6 +242,7 @@ class LlamaOracle:
             raise LlamaOracleError(f"{path}: no such file")
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mp.use_extra_bufts = weight_repacking()
         _ERRORS.clear()
         self.model = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self.model:
