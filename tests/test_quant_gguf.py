@@ -9,6 +9,8 @@ import pytest
 
 import gguf
 
+import activation_ties
+
 import minigraph as mg
 from minigraph.cli.main import main as cli_main
 from minigraph.models import gguf_types
@@ -35,6 +37,9 @@ TOKENS = [{0: [1, 2, 3, 4, 5]}, {0: [6]}]
 def backends():
     """ref always; cpu too (it runs the files whose types its kernels declare, else refuses)."""
     return ["ref", "cpu"]
+
+
+MAX_TIE_RERUNS = 64     # the nearest ties tried, one at a time, when a backend is over the bound
 
 
 def _logits(model):
@@ -82,14 +87,28 @@ def test_file_type_runs_on_each_backend_that_takes_it(files, name, ftype, backen
             _logits(loaded)
         return
     got = _logits(loaded)
-    want = _logits(load_gguf(paths[ftype], devices=mg.backend("ref")))
+
+    def ref_logits(flip=None):
+        with activation_ties.watch(flip=flip) as ties:
+            return _logits(load_gguf(paths[ftype], devices=mg.backend("ref"))), ties
+
+    def max_rel(want):
+        return max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
     # mul_mat rounds its f32 operand to the weights' dot type: where two backends' f32 ops differ
     # by ~1e-7 upstream, a value next to a rounding boundary rounds to the neighbouring f16 / bf16
     # value on one of them (2^-11 / 2^-8 apart), which moves the logits by more than 1e-4
     # (kda-hybrid on cpu: 5.3e-3 for bf16, one element rounded to the neighbouring bf16 value)
     bound = {"f16": 1e-3, "bf16": 1e-2}.get(ftype, 1e-4)
-    for g, w in zip(got, want):
-        assert float(np.max(np.abs(g - w)) / np.max(np.abs(w))) <= bound
+    want, ties = ref_logits()
+    err = max_rel(want)
+    if err > bound:
+        # the same with q8 grids: one activation tie taken the other way moves a whole q8 level
+        # (kda q4_k_m on an AVX-512 cpu: 5.1e-3). The backend passes when ref, with one of the
+        # nearest ties resolved the other way, agrees with it within the bound.
+        flipped = [(tie, max_rel(ref_logits(tie)[0])) for tie in sorted(ties, key=lambda t: t.distance)[:MAX_TIE_RERUNS]]
+        assert any(e <= bound for _, e in flipped), (
+            f"{backend_name} vs ref: max rel {err:.2e} > {bound}, and no single activation tie explains it "
+            f"({', '.join(f'{t}: {e:.2e}' for t, e in flipped) or 'no ties recorded'})")
 
 
 def test_quantized_logits_stay_near_the_f32_model(files):

@@ -41,12 +41,27 @@ def _c_min(x, y):
     return x if x < y else y
 
 
+def _logf(x) -> np.float32:
+    """logf as ggml calls it: the f32 nearest to the exact log (glibc's logf is correctly rounded
+    in practice). Not np.log on an f32: NumPy's SIMD float32 log (AVX-512 builds) can be an ulp
+    or more away, which moves YaRN's constants and every angle with them."""
+    x = float(x)
+    if x < 0 or math.isnan(x):
+        return _F(math.nan)
+    return _F(-math.inf) if x == 0 else _F(math.log(x))
+
+
+def _powf(x, y) -> np.float32:
+    """powf, nearest f32 to the exact power (see _logf)."""
+    return _F(math.pow(float(x), float(y)))
+
+
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float):
     """The first and last rotation dim YaRN ramps between (ggml_rope_yarn_corr_dims, in f32)."""
     def corr_dim(n_rot):
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = _F(n_ctx_orig) / (_F(n_rot) * _F(2) * _F(math.pi))
-            return _F(n_dims) * np.log(ratio) / (_F(2) * np.log(_F(freq_base)))
+            return _F(n_dims) * _logf(ratio) / (_F(2) * _logf(_F(freq_base)))
     start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
     return _c_max(_F(0), start), _c_min(_F(n_dims - 1), end)
 
@@ -113,13 +128,13 @@ def rope_constants(p: dict) -> dict:
     """The f32 constants of a ROPE node's angles, as ggml's CPU derives them from the params:
     theta_scale = powf(freq_base, -2.0f/n_dims), YaRN's corr dims (lo, hi), mscale."""
     n_dims = p["n_dims"]
-    # -2.0f/n_dims rounds to f32 before powf; NumPy's f32 ** f32 is powf
-    theta_scale = np.power(_F(p["freq_base"]), _F(_F(-2.0) / _F(n_dims))) if n_dims else _F(0)
+    # -2.0f/n_dims rounds to f32 before powf
+    theta_scale = _powf(_F(p["freq_base"]), _F(_F(-2.0) / _F(n_dims))) if n_dims else _F(0)
     lo, hi = yarn_corr_dims(n_dims, p["n_ctx_orig"], p["freq_base"], p["beta_fast"], p["beta_slow"])
     freq_scale, ext = _F(p["freq_scale"]), _F(p["ext_factor"])
     mscale = _F(p["attn_factor"])
     if ext != 0:
-        mscale = mscale * _fma(_F(0.1), np.log(_F(1) / freq_scale), _F(1))
+        mscale = mscale * _fma(_F(0.1), _logf(_F(1) / freq_scale), _F(1))
     return dict(theta_scale=theta_scale, lo=lo, hi=hi, freq_scale=freq_scale, ext_factor=ext, mscale=mscale)
 
 
