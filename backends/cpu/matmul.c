@@ -32,7 +32,18 @@ typedef __m512 vf;
 typedef __mmask16 vmask;
 static inline vmask vmask_first(int64_t r) { return (__mmask16)((1u << r) - 1u); }
 #define VLOADM(p, m) _mm512_maskz_loadu_ps((m), (p))
-static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+/* 16 lanes folded to 8 (lo + hi), then AVX2's order (below); the order _mm512_reduce_add_ps
+ * has in GCC, written out so that vsum4 can repeat it exactly */
+static inline __m256 vfold(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+static inline float vsum(vf v) {
+    const __m256 h = vfold(v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vf;
@@ -75,7 +86,15 @@ static inline float vsum(vf v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 #define MB 64                    /* rows of a per job */
 #define NB (CG == 4 ? 64 : 63)   /* rows of b per job: whole column groups */
 #ifndef KB
-#define KB 512                   /* k block (a multiple of VW): a job's MB x KB block of a stays in L2 */
+/* k block (a multiple of VW): a job's MB x KB block of a stays in L2. AVX-512 takes twice AVX2's:
+ * with 16 lanes a block of 512 is only 32 fma steps per vsum, and the sums then cost a quarter
+ * of the packed GEMM's time (measured 4096x4096x512 on a 2 MiB-L2 Xeon core: 1024 ~10% faster
+ * than 512, 2048 slower) */
+#if defined(__AVX512F__)
+#define KB 1024
+#else
+#define KB 512
+#endif
 #endif
 #define TR_MAX 8   /* rows of a per micro-tile */
 #define TC_MAX 4   /* rows of b per micro-tile */
@@ -181,7 +200,9 @@ static void rows_c1(ROWS_PARAMS) {
  * packed zero-padded, and b's is loaded masked: the same fma as the direct path's. PR x PC =
  * 2 x 6 holds 12 accumulators + 2 + 1 vectors in AVX2's 16 registers; each k step is 12 fmas
  * for 8 loads. Measured on a Zen 3 core: the micro-kernel alone ~93 GFLOP/s; the whole
- * 4096x4096x512 product ~0.9x OpenBLAS's single-thread sgemm (which is near the core's peak). */
+ * 4096x4096x512 product ~0.9x OpenBLAS's single-thread sgemm (which is near the core's peak).
+ * AVX-512 runs 4 x 6 tiles (24 accumulators of 32 registers: 24 fmas for 10 loads) and sums two
+ * rows x two columns per vsum4, as AVX2's 2 x 6 does. */
 /* keep a loaded vector in a register: left alone, the compiler folds the load into each fma
  * that uses it (R loads of the same b per k step instead of one) and the loop is load-bound */
 #if defined(__GNUC__) && (defined(__AVX2__) || defined(__AVX512F__))
@@ -190,10 +211,11 @@ static void rows_c1(ROWS_PARAMS) {
 #define MG_IN_REGISTER(v) ((void)0)
 #endif
 /* vsum of four vectors at once, each sum in exactly vsum's order ((lo + hi), then lanes
- * (0 + 2, 1 + 3), then those two): [vsum(v0), vsum(v1), vsum(v2), vsum(v3)] */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+ * (0 + 2, 1 + 3), then those two): [vsum(v0), vsum(v1), vsum(v2), vsum(v3)]; AVX-512 folds
+ * each vector to 8 lanes first, as its vsum does */
+#if defined(__AVX2__)
 #define VSUM4 1
-static inline __m128 vsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+static inline __m128 vsum4_256(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
     const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
     const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
     /* t01 = [t0 | t1], t23 = [t2 | t3] (4 lanes each): u = [t0 0+2, 1+3, t2 0+2, 1+3 | t1 .., t3 ..] */
@@ -204,10 +226,23 @@ static inline __m128 vsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
                                    _mm256_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm_unpacklo_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
 }
+#if defined(__AVX512F__)
+static inline __m128 vsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    return vsum4_256(vfold(v0), vfold(v1), vfold(v2), vfold(v3));
+}
+#else
+#define vsum4 vsum4_256
+#endif
 #else
 #define VSUM4 0
 #endif
+/* PR x PC micro-tiles: 2 x 6 in AVX2's 16 registers (12 accumulators), 4 x 6 in AVX-512's 32
+ * (24 accumulators + 4 rows of a + 1 of b: twice the fmas per load of b) */
+#if defined(__AVX512F__)
+#define PR 4
+#else
 #define PR 2
+#endif
 #define PC 6
 #ifndef PMB
 #define PMB 128   /* rows of a per job: the packed PMB x KB block of a and the PMB x PNS results (256 KiB each) */
@@ -293,15 +328,17 @@ static inline __attribute__((always_inline)) void ukernel(const float *Ap, const
     }
     int jj = 0;
 #if VSUM4
-    if (R == 2) {   /* two columns at a time: four vsums in one shuffle tree, then one add and store */
+    if (R % 2 == 0) {   /* two rows x two columns at a time: four vsums in one shuffle tree, one add and store */
         for (; jj + 2 <= C; jj += 2) {
-            float *o0 = (float *)(dp + (j + jj) * ldd) + i, *o1 = (float *)(dp + (j + jj + 1) * ldd) + i;
-            const __m128 part = vsum4(acc[0][jj], acc[1][jj], acc[0][jj + 1], acc[1][jj + 1]);
-            __m128 r = _mm_setzero_ps();
-            if (!first) r = _mm_loadh_pi(_mm_castpd_ps(_mm_load_sd((const double *)o0)), (const __m64 *)o1);
-            r = _mm_add_ps(r, part);
-            _mm_store_sd((double *)o0, _mm_castps_pd(r));
-            _mm_storeh_pi((__m64 *)o1, r);
+            for (int q = 0; q + 2 <= R; q += 2) {
+                float *o0 = (float *)(dp + (j + jj) * ldd) + i + q, *o1 = (float *)(dp + (j + jj + 1) * ldd) + i + q;
+                const __m128 part = vsum4(acc[q][jj], acc[q + 1][jj], acc[q][jj + 1], acc[q + 1][jj + 1]);
+                __m128 r = _mm_setzero_ps();
+                if (!first) r = _mm_loadh_pi(_mm_castpd_ps(_mm_load_sd((const double *)o0)), (const __m64 *)o1);
+                r = _mm_add_ps(r, part);
+                _mm_store_sd((double *)o0, _mm_castps_pd(r));
+                _mm_storeh_pi((__m64 *)o1, r);
+            }
         }
     }
 #endif
@@ -355,7 +392,12 @@ static void panel_rows(const float *Ap, const float *const *bs, int C, int64_t k
                        int64_t m0, int64_t m1, int64_t j, int first, prefetcher *pb, prefetcher *pa) {
     int64_t g = m0;
     const float *Ag = Ap;
-    switch (C) { UK_CASE(2, 1) UK_CASE(2, 2) UK_CASE(2, 3) UK_CASE(2, 4) UK_CASE(2, 5) UK_CASE(2, 6) default: break; }
+    switch (C) { UK_CASE(PR, 1) UK_CASE(PR, 2) UK_CASE(PR, 3) UK_CASE(PR, 4) UK_CASE(PR, 5) UK_CASE(PR, 6) default: break; }
+#if PR == 4
+    if (g + 2 <= m1) {   /* two of the last three rows */
+        switch (C) { UK_CASE(2, 1) UK_CASE(2, 2) UK_CASE(2, 3) UK_CASE(2, 4) UK_CASE(2, 5) UK_CASE(2, 6) default: break; }
+    }
+#endif
     if (g < m1) {   /* an odd last row */
         switch (C) { UK_CASE(1, 1) UK_CASE(1, 2) UK_CASE(1, 3) UK_CASE(1, 4) UK_CASE(1, 5) UK_CASE(1, 6) default: break; }
     }
@@ -384,7 +426,9 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const mg_tenso
                 const int64_t kk = mg_min64(KB, K - k0), nch = (kk + VW - 1) / VW;
                 int64_t g = m0;
                 float *Ag = Ap;
+                /* the groups panel_rows runs: PR rows, (AVX-512) 2, then 1 */
                 for (; g + PR <= m1; g += PR, Ag += nch * PR * VW) pack_group(Ag, ap, lda, g, PR, k0, kk, nch);
+                for (; PR == 4 && g + 2 <= m1; g += 2, Ag += nch * 2 * VW) pack_group(Ag, ap, lda, g, 2, k0, kk, nch);
                 if (g < m1) pack_group(Ag, ap, lda, g, (int)(m1 - g), k0, kk, nch);
                 prefetcher pa, pb;   /* the next k block's rows of a (this job's) while this one runs */
                 const int64_t kn = k0 + KB < K ? k0 + KB : -1;
