@@ -106,9 +106,15 @@ static inline __m256 exp8(__m256 x) {
     const __m256 p = exp_core_256(x, &z);
     const __m256 nf = _mm256_sub_ps(z, _mm256_set1_ps(EXP_MAGIC));
     const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), nf), _mm256_set1_ps(125.0f), _CMP_NLE_UQ);
-    if (__builtin_expect(_mm256_movemask_ps(big) != 0, 0)) return exp_slow_256(x);
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p),
-                                                _mm256_slli_epi32(_mm256_castps_si256(z), 23)));
+    const __m256 fast = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p),
+                                                             _mm256_slli_epi32(_mm256_castps_si256(z), 23)));
+    if (__builtin_expect(_mm256_movemask_ps(big) != 0, 0)) {
+        /* lanes at or below EXP_LO (-inf: a masked attention score) are +0 on the slow path too */
+        const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LE_OQ);
+        if (_mm256_movemask_ps(_mm256_andnot_ps(under, big)) != 0) return exp_slow_256(x);
+        return _mm256_andnot_ps(under, fast);
+    }
+    return fast;
 }
 #endif
 
@@ -119,9 +125,15 @@ static inline __m512 exp16(__m512 x) {
     const __m512 p = exp_core_512(x, &z);
     const __m512 nf = _mm512_sub_ps(z, _mm512_set1_ps(EXP_MAGIC));
     const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(nf), _mm512_set1_ps(125.0f), _CMP_NLE_UQ);
-    if (__builtin_expect(big != 0, 0)) return exp_slow_512(x);
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p),
-                                                _mm512_slli_epi32(_mm512_castps_si512(z), 23)));
+    const __m512 fast = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p),
+                                                             _mm512_slli_epi32(_mm512_castps_si512(z), 23)));
+    if (__builtin_expect(big != 0, 0)) {
+        /* lanes at or below EXP_LO (-inf: a masked attention score) are +0 on the slow path too */
+        const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LE_OQ);
+        if ((big & (__mmask16)~under) != 0) return exp_slow_512(x);
+        return _mm512_maskz_mov_ps((__mmask16)~under, fast);
+    }
+    return fast;
 }
 #endif
 

@@ -66,9 +66,46 @@ MG_KERNEL(L2_NORM, mg_k_l2_norm, NULL)
  *   mask = src[1] [ne0, >= ne1, ne2 | a.ne2, ne3 | a.ne3] f32, or absent (data NULL)
  *   dst          [ne0, ne1, ne2, ne3]
  * Per row (i1, i2, i3): w = x*scale (+ mask row (i1, i2 % mask.ne2, i3 % mask.ne3)), rounded
- * after each step; y = exp(w - max w) * (float)(1 / sum), the sum in double as ggml. w and the
+ * after each step; y = exp(w - max w) * (float)(1 / sum), the sum in double as ggml (dense rows:
+ * in the 8 chains of soft_max_dense_row; strided rows: in order). w and the
  * exponentials are staged in the destination row, every access through the byte strides; exp is
  * the vectorised one of elementwise.c (mg_exp_row, or mg_exp per element: the same bits). */
+/* A dense row (the attention rows of a decode step: thousands of short rows, most of the
+ * mask -inf): the same steps in loops the compiler vectorises, each of them lane by lane with
+ * no reordering: w and the max in 8 lanes (max is exact in any order), the sum of the
+ * exponentials in 8 double chains (element i in chain i % 8) combined in one fixed tree. The
+ * order depends on ne0 only, never on the batch or the thread split. */
+#define SM_L 8
+static void soft_max_dense_row(const float *x, const float *mr, float *y, int64_t ne0, float scale) {
+    float mxl[SM_L];
+    for (int l = 0; l < SM_L; l++) mxl[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + SM_L <= ne0; i += SM_L)
+        for (int l = 0; l < SM_L; l++) {
+            float w = x[i + l] * scale;
+            if (mr) w += mr[i + l];
+            y[i + l] = w;
+            mxl[l] = w > mxl[l] ? w : mxl[l];
+        }
+    for (; i < ne0; i++) {
+        float w = x[i] * scale;
+        if (mr) w += mr[i];
+        y[i] = w;
+        mxl[0] = w > mxl[0] ? w : mxl[0];
+    }
+    float mx = mxl[0];
+    for (int l = 1; l < SM_L; l++) mx = mxl[l] > mx ? mxl[l] : mx;
+    for (i = 0; i < ne0; i++) y[i] = y[i] - mx;
+    mg_exp_row(y, y, ne0);
+    double acc[SM_L] = {0};
+    for (i = 0; i + SM_L <= ne0; i += SM_L)
+        for (int l = 0; l < SM_L; l++) acc[l] += (double)y[i + l];
+    for (int l = 0; i < ne0; i++, l++) acc[l] += (double)y[i];
+    const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float inv = (float)(1.0 / sum);
+    for (i = 0; i < ne0; i++) y[i] = y[i] * inv;
+}
+
 static void mg_k_soft_max(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *m = &n->src[1];
@@ -83,6 +120,10 @@ static void mg_k_soft_max(const mg_node *n, int ith, int nth) {
         const char *x = mg_ptr(a, 0, i1, i2, i3);                                          /* [ne0] */
         const char *mr = m->data ? mg_ptr(m, 0, i1, i2 % m->ne[2], i3 % m->ne[3]) : NULL;  /* [ne0] */
         char *y = mg_ptr(d, 0, i1, i2, i3);                                                /* [ne0] */
+        if (a->nb[0] == 4 && d->nb[0] == 4 && (mr == NULL || m->nb[0] == 4)) {
+            soft_max_dense_row((const float *)x, (const float *)mr, (float *)y, ne0, scale);
+            continue;
+        }
         float mx = -INFINITY;
         for (int64_t i = 0; i < ne0; i++) {
             float w = mg_load_f32(x + i * a->nb[0]) * scale;
