@@ -106,7 +106,7 @@ class StepJournal:
             if host is not None:
                 mem, base = host
                 data = self._arena(count * n).reshape(count, n)
-                np.copyto(data, _strided(mem, base + offs, stride, count, n))
+                t.backend.save_rows(data, _strided(mem, base + offs, stride, count, n))
                 self.spans.append((t, offs, stride, data))
             else:
                 for i in range(count):

@@ -13,6 +13,8 @@ import warnings
 import weakref
 from collections import OrderedDict
 
+import numpy as np
+
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
@@ -191,6 +193,23 @@ class CpuBackend(HostBackend):
     @staticmethod
     def op_code(name: str) -> int:
         return OP_CODES[name] if name in OP_CODES else STEP_CODES[name]
+
+    # streaming stores pay off once a copy outgrows the caches' working set; small spans (a
+    # short conv state, one KV row) stay with NumPy's copy
+    SAVE_ROWS_STREAMING_MIN = 1 << 16
+
+    def save_rows(self, dst: np.ndarray, rows: np.ndarray):
+        """The undo journal's copy in C with streaming stores (mg_copy_rows_streaming): it is
+        read back only if a step fails, so its lines need not pass through the caches."""
+        count, n = rows.shape
+        if (lib is None or count * n < self.SAVE_ROWS_STREAMING_MIN or rows.dtype != np.uint8
+                or dst.dtype != np.uint8 or not dst.flags.c_contiguous or dst.shape != rows.shape
+                or (n > 1 and rows.strides[1] != 1) or (count > 1 and rows.strides[0] < n)):
+            np.copyto(dst, rows)
+            return
+        stride = rows.strides[0] if count > 1 else n
+        lib.mg_copy_rows_streaming(ffi.cast("char *", dst.ctypes.data), ffi.cast("char *", rows.ctypes.data),
+                                   stride, count, n)
 
     # -- plans ------------------------------------------------------------------------------
     def _address(self, buf) -> int:

@@ -254,3 +254,41 @@ MG_KERNEL(CPY, mg_k_cpy, NULL)
 MG_KERNEL(CONT, mg_k_cpy, NULL)
 MG_KERNEL(CONCAT, mg_k_concat, NULL)
 MG_KERNEL(REPEAT, mg_k_repeat, NULL)
+
+/* ---- a streaming copy (not an op: the undo journal's, through the cffi API) ----
+ * The bytes of dst up to its first 64-byte boundary and after its last one go through memcpy,
+ * the rest as streaming stores, which write whole lines without reading them first (a plain
+ * copy reads each destination line before writing it: half again the traffic) and leave the
+ * caches to the data the next graph reads. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static void copy_streaming(char *dst, const char *src, int64_t n) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    const int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);
+    if (n < head + 256) { memcpy(dst, src, (size_t)n); return; }
+    memcpy(dst, src, (size_t)head);
+    int64_t i = head;
+    for (; i + 64 <= n; i += 64) {
+#if defined(__AVX512F__)
+        _mm512_stream_si512((__m512i *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+#else
+        _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm256_stream_si256((__m256i *)(dst + i + 32), _mm256_loadu_si256((const __m256i *)(src + i + 32)));
+#endif
+    }
+    memcpy(dst + i, src + i, (size_t)(n - i));
+#else
+    memcpy(dst, src, (size_t)n);
+#endif
+}
+
+void mg_copy_rows_streaming(char *dst, const char *src, int64_t src_stride, int64_t count, int64_t n) {
+    if (count == 1 || src_stride == n) copy_streaming(dst, src, count * n);
+    else
+        for (int64_t r = 0; r < count; r++) copy_streaming(dst + r * n, src + r * src_stride, n);
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_sfence();   /* the streamed lines are visible before anyone reads the journal */
+#endif
+}
