@@ -14,9 +14,12 @@
  *    returns when the last node is complete, whatever the workers are doing;
  *  - waiting spins briefly, then workers sleep (between runs on a futex, within a run in short
  *    naps) and the caller yields (sched_yield) to a worker finishing a chunk on its core;
- *  - a run where the caller waited far longer for a worker's chunk than its own chunks took (the
- *    worker was descheduled holding it) is finished by the caller alone, and the next runs stay
- *    on the caller's thread for a backoff (2 ms, doubling to 256 ms on repeated stalls);
+ *  - a wait far longer for a worker's chunk than the caller's own chunks took is a stall (the
+ *    worker was descheduled holding it). Once a run's stalls add up to a share of its time
+ *    (STALL_RUN_SHARE, and at least STALL_SOLO_MIN_NS), the rest of it is the caller's alone,
+ *    and the next runs stay on the caller's thread for a backoff (2 ms, doubling to 256 ms on
+ *    repeated stalls). One late chunk in a long prefill run therefore costs its wait, not the
+ *    rest of the run at one thread;
  *  - a worker the scheduler placed on the caller's CPU stands aside (on_main_cpu).
  * A plan whose nodes are all one chunk never involves the workers.
  * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
@@ -169,6 +172,7 @@ static struct {
     _Atomic int main_cpu;              /* the CPU the caller last ran a split node on */
     int64_t serial_until;              /* after a stall, runs stay on the caller's thread until then */
     int64_t backoff;                   /* the current serial stretch, ns (0: no recent stall) */
+    int64_t run_t0, stall_ns;          /* the current run's start and its stalls' waits so far */
     /* the run descriptor (read by workers under the gen seqlock) */
     _Atomic(mg_node *) nodes;
     _Atomic int n_nodes;
@@ -189,6 +193,8 @@ static inline int64_t now_ns(void) {
 
 #define SPIN_NS 4000          /* the caller spins this long for a chunk before yielding */
 #define STALL_MIN_NS 30000    /* waiting this much longer than twice the caller's own chunk time */
+#define STALL_SOLO_MIN_NS 100000   /* a run goes solo once its stalls add up to this ... */
+#define STALL_RUN_SHARE 16         /* ... and to more than 1/16 of the run so far */
 #define BACKOFF_MIN_NS 2000000
 #define BACKOFF_MAX_NS 256000000
 #define WORKER_SPIN_NS 20000  /* a worker spins this long within a run, then naps between checks */
@@ -319,14 +325,18 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error 
             if (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
                 const int64_t t_claimed = now_ns();
                 const int64_t limit = STALL_MIN_NS + (ran ? 2 * (t_claimed - t_start) / ran : 6 * STALL_MIN_NS);
-                int64_t it = 0, t = t_claimed;
+                int64_t it = 0, t = t_claimed, counted = 0;
                 while (atomic_load_explicit(&ns->done, memory_order_acquire) != want) {
                     if (++it < 64) { cpu_relax(); continue; }
                     it = 0;
                     t = now_ns();
-                    if (!*stalled && t - t_claimed > limit) {
-                        *stalled = 1;
-                        atomic_store_explicit(&P.solo_gen, v->gen, memory_order_relaxed);
+                    if (!*stalled && t - t_claimed > limit) {   /* a stall: does the run go solo? */
+                        P.stall_ns += t - t_claimed - counted;
+                        counted = t - t_claimed;
+                        if (P.stall_ns > STALL_SOLO_MIN_NS && P.stall_ns * STALL_RUN_SHARE > t - P.run_t0) {
+                            *stalled = 1;
+                            atomic_store_explicit(&P.solo_gen, v->gen, memory_order_relaxed);
+                        }
                     }
                     if (t - t_claimed > SPIN_NS) sched_yield();
                 }
@@ -477,6 +487,8 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
 
     run_view v = { nodes, n_nodes, sync, g };
     int stalled = 0;
+    P.run_t0 = now_ns();
+    P.stall_ns = 0;
     const int rc = run_nodes(&v, 1, &stalled, err);
     st_parallel++;
     if (stalled) {
