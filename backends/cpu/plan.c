@@ -193,7 +193,7 @@ static inline int64_t now_ns(void) {
 
 #define SPIN_NS 4000          /* the caller spins this long for a chunk before yielding */
 #define STALL_MIN_NS 30000    /* waiting this much longer than twice the caller's own chunk time */
-#define STALL_SOLO_MIN_NS 100000   /* a run goes solo once its stalls add up to this ... */
+#define STALL_SOLO_MIN_NS 1000000  /* a run goes solo once its stalls add up to this (about a timeslice) ... */
 #define STALL_RUN_SHARE 16         /* ... and to more than 1/16 of the run so far */
 #define BACKOFF_MIN_NS 2000000
 #define BACKOFF_MAX_NS 256000000
