@@ -1,5 +1,8 @@
 /* Copies that move data: CPY (with type conversion) / CONT, CONCAT, REPEAT. */
 #include <stdlib.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>   /* the streaming copy at the end */
+#endif
 #include "mg.h"
 #include "quant.h"
 
@@ -260,10 +263,6 @@ MG_KERNEL(REPEAT, mg_k_repeat, NULL)
  * the rest as streaming stores, which write whole lines without reading them first (a plain
  * copy reads each destination line before writing it: half again the traffic) and leave the
  * caches to the data the next graph reads. */
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 static void copy_streaming(char *dst, const char *src, int64_t n) {
 #if defined(__AVX512F__) || defined(__AVX2__)
     const int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);

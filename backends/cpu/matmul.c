@@ -484,14 +484,44 @@ static void direct_block(const mg_tensor *a, const mg_tensor *b, const mg_tensor
     }
 }
 
+/* The byte step of t's columns when dims 1..3 are one arithmetic run of columns (each dim of
+ * extent > 1 steps by the product of the previous ones), else 0. */
+static int64_t column_run_stride(const mg_tensor *t) {
+    int64_t st = 0, count = 1;
+    for (int k = 1; k < 4; k++) {
+        if (t->ne[k] == 1) continue;
+        if (st == 0) st = t->nb[k];
+        else if (t->nb[k] != st * count) return 0;
+        count *= t->ne[k];
+    }
+    return st != 0 ? st : t->nb[1];
+}
+
+/* MUL_MAT with a single plane of a (broadcast to every plane of b) and b, dst one run of columns
+ * each: the same product as one plane of ne1*ne2*ne3 columns. A decode step of several sequences
+ * is [K, 1, n_seqs] against a 2D weight: as planes it reads the weight once per sequence, as
+ * columns once in all. Each output is still its own dot product, so the results do not change. */
+static void merge_planes(const mg_tensor *a, mg_tensor *b, mg_tensor *d) {
+    if (a->ne[2] != 1 || a->ne[3] != 1 || b->ne[2] * b->ne[3] == 1) return;
+    const int64_t sb = column_run_stride(b), sd = column_run_stride(d);
+    if (sb == 0 || sd == 0) return;
+    const int64_t cols = b->ne[1] * b->ne[2] * b->ne[3];
+    b->ne[1] = d->ne[1] = cols;
+    b->ne[2] = b->ne[3] = d->ne[2] = d->ne[3] = 1;
+    b->nb[1] = sb;
+    d->nb[1] = sd;
+    b->nb[2] = b->nb[3] = sb * cols;
+    d->nb[2] = d->nb[3] = sd * cols;
+}
+
 /* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense */
 void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
-    if (n->src[0].type != MG_F32) { mg_mul_mat_blocks(n, ith, nth); return; }   /* quant_matmul.c */
     const mg_tensor *a = &n->src[0];
     mg_tensor bm = n->src[1], dm = n->dst;
-    mg_mul_mat_merge_planes(a, &bm, &dm);
+    merge_planes(a, &bm, &dm);
     const mg_tensor *b = &bm;
     const mg_tensor *d = &dm;
+    if (a->type != MG_F32) { mg_mul_mat_blocks(a, b, d, ith, nth); return; }   /* quant_matmul.c */
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t planes = b->ne[2] * b->ne[3];
     int64_t j0, j1;

@@ -103,36 +103,6 @@ static inline char *mg_ptr(const mg_tensor *t, int64_t i0, int64_t i1, int64_t i
     return t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
 }
 
-/* The byte step of t's columns when dims 1..3 are one arithmetic run of columns (each dim of
- * extent > 1 steps by the product of the previous ones), else 0. */
-static inline int64_t mg_column_run_stride(const mg_tensor *t) {
-    int64_t st = 0, count = 1;
-    for (int k = 1; k < 4; k++) {
-        if (t->ne[k] == 1) continue;
-        if (st == 0) st = t->nb[k];
-        else if (t->nb[k] != st * count) return 0;
-        count *= t->ne[k];
-    }
-    return st != 0 ? st : t->nb[1];
-}
-
-/* MUL_MAT with a single plane of a (broadcast to every plane of b) and b, dst one run of columns
- * each: the same product as one plane of ne1*ne2*ne3 columns. A decode step of several sequences
- * is [K, 1, n_seqs] against a 2D weight: as planes it reads the weight once per sequence, as
- * columns once in all. Each output is still its own dot product, so the results do not change. */
-static inline void mg_mul_mat_merge_planes(const mg_tensor *a, mg_tensor *b, mg_tensor *d) {
-    if (a->ne[2] != 1 || a->ne[3] != 1 || b->ne[2] * b->ne[3] == 1) return;
-    const int64_t sb = mg_column_run_stride(b), sd = mg_column_run_stride(d);
-    if (sb == 0 || sd == 0) return;
-    const int64_t cols = b->ne[1] * b->ne[2] * b->ne[3];
-    b->ne[1] = d->ne[1] = cols;
-    b->ne[2] = b->ne[3] = d->ne[2] = d->ne[3] = 1;
-    b->nb[1] = sb;
-    d->nb[1] = sd;
-    b->nb[2] = b->nb[3] = sb * cols;
-    d->nb[2] = d->nb[3] = sd * cols;
-}
-
 static inline float mg_load_f32(const char *p) { float v; memcpy(&v, p, 4); return v; }
 static inline void mg_store_f32(char *p, float v) { memcpy(p, &v, 4); }
 

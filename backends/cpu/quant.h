@@ -67,7 +67,7 @@ void mg_to_f32_row(int t, const void *src, float *dst, int64_t n);
 void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n);
 
 /* quant_matmul.c: MUL_MAT with src0 f16 / bf16 / q4_0 / q8_0 / q4_K / q6_K and src1 already
- * converted to the dot type (matmul.c dispatches here) */
-void mg_mul_mat_blocks(const mg_node *n, int ith, int nth);
+ * converted to the dot type (matmul.c dispatches here, planes already merged into columns) */
+void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, int ith, int nth);
 
 #endif

@@ -375,12 +375,7 @@ typedef void (*dot_fn)(int64_t K, const char *x, const void *const *ys, float *o
 
 /* MUL_MAT, src0 [K, M, a2, a3] of a half / block type (rows dense), src1 the converted rows
  * [K, N, b2, b3] (contiguous, the dot type), dst [M, N, b2, b3] f32 */
-void mg_mul_mat_blocks(const mg_node *n, int ith, int nth) {
-    const mg_tensor *a = &n->src[0];
-    mg_tensor bm = n->src[1], dm = n->dst;
-    mg_mul_mat_merge_planes(a, &bm, &dm);
-    const mg_tensor *b = &bm;
-    const mg_tensor *d = &dm;
+void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, int ith, int nth) {
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t mblk = (M + QMB - 1) / QMB, planes = b->ne[2] * b->ne[3];
