@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.testing.op_cases import Built, run_built
+from minigraph.testing.op_cases import Built, random_data, run_built
 from minigraph.tensor import Context
 
 cpu = pytest.importorskip("minigraph.backends.cpu")
@@ -116,11 +116,6 @@ def test_mul_mat_wide_batch_crosses_column_blocks(n_threads):
         assert np.array_equal(got[:, :, c].view(np.uint32), alone[:, :, 0].view(np.uint32)), c
 
 
-def _weights(rng, t, M, K):
-    w = rng.uniform(-1, 1, (M, K)).astype(np.float32)
-    return w if t == mg.f32 else np.asarray(mg.quantize(w, t)).view(t.np_dtype).reshape(M, -1)
-
-
 def _mul_mat_2d_weights(t, w, K, M, x: np.ndarray, lb: str, be) -> np.ndarray:
     """cpu mul_mat of a 2D weight [K, M] of type t by x [n_seqs, n_seq_tokens, K] (sequences as
     planes, as a recurrent layer's decode step has them); result [n_seqs, n_seq_tokens, M]."""
@@ -139,7 +134,7 @@ def test_mul_mat_sequences_as_planes_equal_single_columns(t, lb):
     24 columns), at 1 and 2 threads."""
     K, M = 256 + 37 if t == mg.f32 else 512, 67
     rng = np.random.default_rng(11)
-    w = _weights(rng, t, M, K)
+    w = random_data(rng, t, (K, M)).reshape(M, -1)       # values, or rows of raw blocks
     pool = rng.uniform(-1, 1, (30, 2, K)).astype(np.float32)
     one = _backend(1)
     single = np.stack([np.stack([_mul_mat_2d_weights(t, w, K, M, pool[s:s + 1, i:i + 1], "contig", one)[0, 0]
