@@ -118,3 +118,17 @@ def watch(flip: Tie | None = None):
         yield found
     finally:
         matmul.mul_mat_rows = original
+
+
+def first_resolved(ties, run, accept, limit: int):
+    """(tie, result, tried): `run()` again with each of the `limit` nearest ties resolved the other
+    way, nearest first, until `accept(result)`; tie and result are None when none is accepted.
+    tried lists (tie, result) of every rerun, for the failure message."""
+    tried = []
+    for tie in sorted(ties, key=lambda t: t.distance)[:limit]:
+        with watch(flip=tie):
+            result = run()
+        tried.append((tie, result))
+        if accept(result):
+            return tie, result, tried
+    return None, None, tried

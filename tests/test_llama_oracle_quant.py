@@ -109,11 +109,11 @@ def _resolve_ties(ref_model, n_rs_seq, want, ftype, nmse_deq):
         got = _run(ref_model, n_rs_seq)
     errors = _errors(got, want)
     if not _within(ftype, errors, nmse_deq):
-        for tie in sorted(ties, key=lambda t: t.distance)[:MAX_TIE_RERUNS]:
-            with activation_ties.watch(flip=tie):
-                flipped = _errors(_run(ref_model, n_rs_seq), want)
-            if _within(ftype, flipped, nmse_deq):
-                return got, errors, (flipped, tie)
+        tie, flipped, _ = activation_ties.first_resolved(
+            ties, lambda: _errors(_run(ref_model, n_rs_seq), want), lambda e: _within(ftype, e, nmse_deq),
+            MAX_TIE_RERUNS)
+        if tie is not None:
+            return got, errors, (flipped, tie)
     return got, errors, None
 
 
