@@ -192,13 +192,13 @@ def test_ctrl_c_is_one_line_and_exit_130():
 LOST_INTERRUPT = """
 import sys, time
 from minigraph.cli import interrupt
-interrupt.install()
-class Slow:
-    def __del__(self):
-        time.sleep(30)          # Ctrl-C lands here: Python reports the KeyboardInterrupt as ignored
-Slow()
-while True:
-    time.sleep(0.1)
+with interrupt.handled():
+    class Slow:
+        def __del__(self):
+            time.sleep(30)      # Ctrl-C lands here: Python reports the KeyboardInterrupt as ignored
+    Slow()
+    while True:
+        time.sleep(0.1)
 """
 
 
@@ -211,6 +211,14 @@ def test_ctrl_c_lost_in_a_finalizer_still_ends_the_run():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=20)
     assert p.returncode == 130 and err.decode().strip() == "minigraph: interrupted", err
+
+
+def test_main_in_process_leaves_the_sigint_handler_and_hook_as_they_were():
+    import signal as sig
+    from minigraph.cli.main import main
+    hook = sys.unraisablehook
+    assert main(["run", "toy", "--steps", "1"]) == 0
+    assert sig.getsignal(sig.SIGINT) is sig.default_int_handler and sys.unraisablehook is hook
 
 
 def test_environment_flags_take_every_spelling():

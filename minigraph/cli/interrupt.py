@@ -3,10 +3,14 @@
 Python delivers SIGINT as a KeyboardInterrupt raised in whatever Python code runs next. When that
 code is a weakref callback or a `__del__` (the graph and buffer caches use both), the interpreter
 prints "Exception ignored in ..." and carries on: the interrupt is lost and a long run keeps going.
-So the handler raises as usual, and also starts a short watchdog: if the command has not reached
-its own Ctrl-C exit by then, the watchdog prints the same line and ends the process itself."""
+So, while a command runs, the handler raises as usual and also starts a short watchdog: if the
+command has not reached its own Ctrl-C exit by then, the watchdog prints the same line and ends
+the process itself. The handler and the hook that keeps the lost interrupt quiet are the
+command's only: `handled()` puts the previous ones back when it returns (main() may run inside
+another program, a test for one)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -16,33 +20,44 @@ MESSAGE = "minigraph: interrupted"
 EXIT_STATUS = 130
 GRACE_S = 2.0            # time the normal KeyboardInterrupt path gets before the watchdog acts
 
-_lock = threading.Lock()
-_reported = False
 
+class Interrupts:
+    """One command's Ctrl-C: the line is printed once, by the command or by the watchdog."""
 
-def report() -> int:
-    """Print the interrupt line once (from the main path or the watchdog, whichever comes first)."""
-    global _reported
-    with _lock:
-        if not _reported:
-            _reported = True
-            print(MESSAGE, file=sys.stderr, flush=True)
-    return EXIT_STATUS
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reported = False
+        self._timer = None
 
+    def report(self) -> int:
+        """Print the interrupt line (once) and stop the watchdog; the exit status to return."""
+        with self._lock:
+            if not self._reported:
+                self._reported = True
+                print(MESSAGE, file=sys.stderr, flush=True)
+            if self._timer is not None:
+                self._timer.cancel()
+        return EXIT_STATUS
 
-def _watchdog():
-    with _lock:
-        done = _reported
-    if not done:
-        report()
+    def _watchdog(self):
+        with self._lock:
+            if self._reported:
+                return
+        self.report()
         os._exit(EXIT_STATUS)
 
+    def on_sigint(self, signum, frame):
+        with self._lock:
+            if self._timer is None:
+                self._timer = threading.Timer(GRACE_S, self._watchdog)
+                self._timer.daemon = True
+                self._timer.start()
+        raise KeyboardInterrupt
 
-def _on_sigint(signum, frame):
-    timer = threading.Timer(GRACE_S, _watchdog)
-    timer.daemon = True
-    timer.start()
-    raise KeyboardInterrupt
+    def close(self):
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
 
 
 def _quiet_lost_interrupts(default_hook):
@@ -53,8 +68,21 @@ def _quiet_lost_interrupts(default_hook):
     return hook
 
 
-def install():
-    """Route SIGINT through the handler above (main thread only, as Python requires)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
-        sys.unraisablehook = _quiet_lost_interrupts(sys.unraisablehook)
+@contextlib.contextmanager
+def handled():
+    """SIGINT through Interrupts for the duration of the block (main thread only, as Python
+    requires, and only over Python's default handler: a host program's own handler stays)."""
+    ctrl_c = Interrupts()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield ctrl_c
+        return
+    previous_hook = sys.unraisablehook
+    signal.signal(signal.SIGINT, ctrl_c.on_sigint)
+    sys.unraisablehook = _quiet_lost_interrupts(previous_hook)
+    try:
+        yield ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = previous_hook
+        ctrl_c.close()

@@ -49,8 +49,12 @@ def _quiet_stdout():
 
 
 def main(argv=None) -> int:
+    with interrupt.handled() as ctrl_c:
+        return _main(argv, ctrl_c)
+
+
+def _main(argv, ctrl_c) -> int:
     from minigraph import env
-    interrupt.install()
     try:
         env.check_all()
     except env.EnvError as e:
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
     except SystemExit:
         raise
     except KeyboardInterrupt:
-        return interrupt.report()
+        return ctrl_c.report()
     except BrokenPipeError:
         _quiet_stdout()
         return 141
