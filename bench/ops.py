@@ -178,6 +178,23 @@ def unary_case(op, ne0=4096, ne1=64):
     return op, f"[{ne0}, {ne1}] uniform(-8, 8)", build, numpy_fn, 2 * ne0 * ne1 * 4
 
 
+def soft_max_case(n_kv=256, used=40, n_head=16, n_seqs=4):
+    """a decode step's attention rows: [n_kv, 1 token, heads, sequences] scaled and masked, the
+    mask -inf past the cells in use (llama.cpp pads n_kv to 256)"""
+    def build(rng, b):
+        mask = np.full((1, n_kv), -np.inf, np.float32)
+        mask[0, :used] = 0
+        kq = b.leaf(mg.f32, (n_kv, 1, n_head, n_seqs), rng=rng)
+        return mg.soft_max_ext(kq, b.leaf(mg.f32, (n_kv, 1), data=mask), 0.125, 0.0)
+
+    def numpy_fn(arrs):
+        w = arrs[0] * np.float32(0.125) + arrs[1].reshape(n_kv)
+        e = np.exp(w - w.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    return "SOFT_MAX", f"decode kq [{n_kv}({used} used), 1, {n_head}, {n_seqs}]", build, numpy_fn, \
+        2 * n_kv * n_head * n_seqs * 4
+
+
 def all_cases(quick):
     cases = []
     for n_t in (1, 8, 512):
@@ -185,6 +202,7 @@ def all_cases(quick):
             cases.append(ssm_conv_case(4096, n_t, n_s))
     for op in ("EXP", "SIGMOID", "SILU", "SOFTPLUS"):
         cases.append(unary_case(op))
+    cases.append(soft_max_case())
     cases.append(conv_store_case(4))
     cases.append(concat_case(8))
     cases.append(concat_case(512))
