@@ -26,7 +26,7 @@ Before a speed is reported, the logits of the first repetition of the two engine
 max |minigraph - llama.cpp| / max |llama.cpp| over every output of the call (TARGET 3e-6 is what we
 aim for; a row above BOUND is refused, its speed not reported). The profile (1 thread, first
 repetition of each phase, run after the timing in the same worker) says where minigraph's step time
-goes: kernels by op (each plan record timed alone: sums per call), plan building, the undo journal
+goes: kernels by op (the plans replayed in order, each record alone: sums per call), plan building, the undo journal
 (failure atomicity), reading the logits, scheduler copies, and the Python left over; and ggml's own
 per-op time inside llama.cpp (its scheduler's eval callback asks for every node, so each node runs
 as a graph of its own: the times include one graph launch per node).
@@ -309,8 +309,8 @@ def profiled_calls(eng, phase, quick):
 
 def profile_minigraph(eng, phase, quick):
     """({piece: seconds per call}, {op: kernel seconds per call}) for one repetition of the phase:
-    the pieces from wrapped methods, the kernels by op from every record of each plan that ran,
-    timed alone (one C call each)."""
+    the pieces from wrapped methods, the kernels by op from every record of the plans that ran,
+    replayed in order."""
     import minigraph as mg
     from minigraph.backends.cpu import CpuBackend, ffi, lib
     from minigraph.models import step_journal
@@ -337,29 +337,23 @@ def profile_minigraph(eng, phase, quick):
         prof.remove()
     pieces = {k: v / len(calls) for k, v in prof.t.items()}
     pieces["python and the rest"] = wall / len(calls) - sum(pieces.values())
+    # the kernels by op, in place: the plans replayed in the order they ran, each record alone
+    # (one C call each) right after the one before it, so a node meets the caches the real step
+    # left it (weights streaming from DRAM included) and the ops add up to about run_plan's time,
+    # as ggml's callback profile does; the median of a few replays
     err = ffi.new("mg_error *")
-    by_plan, ops = {}, {}
-    for be, plan in runs:
-        if id(plan) not in by_plan:
-            d = by_plan[id(plan)] = {}
+    passes = []
+    for _ in range(1 if quick else 3):
+        ops = {}
+        for be, plan in runs:
             for i, node in enumerate(plan.compute):
                 rec = plan.records + i
-                dt = _per_call(lambda: lib.mg_plan_run(rec, 1, int(be.n_threads), err), 0.01 if quick else 0.03)
-                d[node.op] = d.get(node.op, 0.0) + dt
-        for op, dt in by_plan[id(plan)].items():
-            ops[op] = ops.get(op, 0.0) + dt / len(calls)
+                t1 = time.perf_counter()
+                lib.mg_plan_run(rec, 1, int(be.n_threads), err)
+                ops[node.op] = ops.get(node.op, 0.0) + time.perf_counter() - t1
+        passes.append(ops)
+    ops = {op: statistics.median(p.get(op, 0.0) for p in passes) / len(calls) for op in passes[0]}
     return pieces, ops
-
-
-def _per_call(fn, min_time):
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= min_time and n >= 3:
-            return dt / n
 
 
 def profile_llama(path, n_threads, n_seqs, n_ctx, phase, quick):

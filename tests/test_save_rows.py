@@ -1,6 +1,7 @@
-"""CpuBackend.save_rows, the undo journal's copy (streaming stores in C above a size): every
-byte equals NumPy's copy, for dense and strided rows, at every alignment of source and
-destination and lengths around the 64-byte line and the size threshold."""
+"""CpuBackend.save_rows, the undo journal's copy (streaming stores in C above a size, one plan
+record shared by the backend's threads): every byte equals NumPy's copy, for dense and strided
+rows, at every alignment of source and destination and lengths around the 64-byte line and the
+size threshold, on 1 thread and on 2 with the copy split into as many chunks as it allows."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,9 +14,13 @@ if cpu.lib is None:  # pragma: no cover
 
 @pytest.mark.parametrize("count,n,stride", [(1, 70000, 0), (1, 65536 + 63, 0), (3, 30000, 30000),
                                             (5, 20000, 20033), (257, 300, 512), (2, 40000, 40001)])
-def test_save_rows_equals_numpy_copy(count, n, stride):
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_save_rows_equals_numpy_copy(count, n, stride, n_threads, request):
     rng = np.random.default_rng(count * n)
-    be = cpu.CpuBackend(400)
+    be = cpu.CpuBackend(400 + n_threads).set_n_threads(n_threads)
+    if n_threads > 1:                                  # every 4 KiB unit a chunk of its own
+        cpu.lib.mg_set_chunking(0, 0)
+        request.addfinalizer(lambda: cpu.lib.mg_set_chunking(-1, -1))
     span = (count - 1) * stride + n
     mem = rng.integers(0, 256, span + 200, dtype=np.uint8)
     for src_off in (0, 1, 17, 64):

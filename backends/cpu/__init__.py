@@ -199,17 +199,26 @@ class CpuBackend(HostBackend):
     SAVE_ROWS_STREAMING_MIN = 1 << 16
 
     def save_rows(self, dst: np.ndarray, rows: np.ndarray):
-        """The undo journal's copy in C with streaming stores (mg_copy_rows_streaming): it is
-        read back only if a step fails, so its lines need not pass through the caches."""
+        """The undo journal's copy in C (the CPY:save_rows record, copy.c) with streaming stores,
+        shared by the backend's threads: it is read back only if a step fails, so its lines need
+        not pass through the caches, and a decode step's journal is bound by memory bandwidth,
+        which two cores have more of than one."""
         count, n = rows.shape
         if (lib is None or count * n < self.SAVE_ROWS_STREAMING_MIN or rows.dtype != np.uint8
                 or dst.dtype != np.uint8 or not dst.flags.c_contiguous or dst.shape != rows.shape
                 or (n > 1 and rows.strides[1] != 1) or (count > 1 and rows.strides[0] < n)):
             np.copyto(dst, rows)
             return
-        stride = rows.strides[0] if count > 1 else n
-        lib.mg_copy_rows_streaming(ffi.cast("char *", dst.ctypes.data), ffi.cast("char *", rows.ctypes.data),
-                                   stride, count, n)
+        rec = ffi.new("mg_node *")
+        rec.op = STEP_CODES["CPY:save_rows"]
+        rec.n_src = 1
+        rec.dst.data = ffi.cast("char *", dst.ctypes.data)
+        rec.src[0].data = ffi.cast("char *", rows.ctypes.data)
+        rec.ip[0], rec.ip[1], rec.ip[2] = (rows.strides[0] if count > 1 else n), count, n
+        rec.cost = 2 * count * n                  # bytes read and written: the executor's split
+        err = ffi.new("mg_error *")
+        if lib.mg_plan_run(rec, 1, int(self.n_threads), err) != 0:   # pragma: no cover (no check)
+            raise RuntimeError(f"CPY:save_rows: backend {self.name} failed (code {err.code})")
 
     # -- plans ------------------------------------------------------------------------------
     def _address(self, buf) -> int:

@@ -283,11 +283,29 @@ static void copy_streaming(char *dst, const char *src, int64_t n) {
 #endif
 }
 
-void mg_copy_rows_streaming(char *dst, const char *src, int64_t src_stride, int64_t count, int64_t n) {
-    if (count == 1 || src_stride == n) copy_streaming(dst, src, count * n);
-    else
-        for (int64_t r = 0; r < count; r++) copy_streaming(dst + r * n, src + r * src_stride, n);
+/* CPY:save_rows, the undo journal's copy as one plan record, so that the executor's threads share
+ * it (a decode step's journal is tens of MB, bound by memory bandwidth, which two cores have more
+ * of than one): dst.data the dense destination, src[0].data the first row, ip = {source stride,
+ * rows, bytes per row}. The chunks split the destination's bytes in 4 KiB units. */
+static void mg_k_save_rows(const mg_node *nd, int ith, int nth) {
+    char *dst = nd->dst.data;
+    const char *src = nd->src[0].data;
+    const int64_t stride = nd->ip[0], count = nd->ip[1], n = nd->ip[2];
+    const int64_t total = count * n;
+    int64_t u0, u1;
+    mg_split((total + 4095) / 4096, ith, nth, &u0, &u1);
+    int64_t b = u0 * 4096;
+    const int64_t end = mg_min64(u1 * 4096, total);
+    while (b < end) {
+        const int64_t r = b / n, off = b % n, len = mg_min64(n - off, end - b);
+        copy_streaming(dst + b, src + r * stride + off, len);
+        b += len;
+    }
 #if defined(__AVX512F__) || defined(__AVX2__)
     _mm_sfence();   /* the streamed lines are visible before anyone reads the journal */
 #endif
+}
+
+__attribute__((constructor)) static void mg_register_save_rows(void) {
+    mg_register_kernel("CPY:save_rows", mg_k_save_rows, NULL);
 }

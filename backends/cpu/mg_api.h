@@ -53,9 +53,6 @@ void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost);
 void mg_pool_stats(int64_t out[5]);
 /* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
 void mg_debug_worker_delay(int64_t ns);
-/* count rows of n bytes, src_stride bytes apart, into dst (count*n bytes, dense), stored past
- * the caches (streaming stores): a copy nobody reads back soon, such as an undo journal's */
-void mg_copy_rows_streaming(char *dst, const char *src, int64_t src_stride, int64_t count, int64_t n);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 int mg_thread_limit(void);  /* the most threads one plan run uses (the pool's size) */
 int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */
