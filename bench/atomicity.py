@@ -1,7 +1,7 @@
 """What failure atomicity costs per decode step: no guarantee, the whole-cache copy, the row journal.
 
     python bench/atomicity.py                   # 24-layer mamba2, n_embd 768, mem_size 4 and 64
-    python bench/atomicity.py --write           # also append the report to bench/RESULTS.md
+    python bench/atomicity.py --write           # also (re)write its section of bench/RESULTS.md
     python bench/atomicity.py --layers 4 --steps 4 --rounds 2     # a smoke run
 
 A 24-layer Mamba-2 (n_embd 768, d_inner 1536, d_state 16, 24 heads of 64, 1 group, n_rs_seq 3:
@@ -31,6 +31,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.append(HERE)
+import results  # noqa: E402  (bench/results.py)
 
 import numpy as np  # noqa: E402
 
@@ -85,10 +87,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps per runner per round")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--write", action="store_true", help="append the report to bench/RESULTS.md")
+    ap.add_argument("--write", action="store_true", help="(re)write this script's section of bench/RESULTS.md")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
+    machine0 = results.machine_line()
     be = mg.backend("cpu")
     if hasattr(be, "set_n_threads"):
         be.set_n_threads(args.threads)
@@ -113,11 +116,9 @@ def main(argv=None):
     report = "\n".join(lines)
     print(report)
     if args.write:
-        cmd = "python bench/atomicity.py" + ("" if argv is None and len(sys.argv) == 2 else
-                                             " " + " ".join(a for a in (argv or sys.argv[1:]) if a != "--write"))
-        with open(os.path.join(HERE, "RESULTS.md"), "a") as f:
-            f.write(f"\n# Failure atomicity: cost per decode step (bench/atomicity.py)\n\n"
-                    f"`{cmd.strip()}`, same machine, today:\n\n```\n{report}\n```\n")
+        results.write_report("bench/atomicity.py", list(sys.argv[1:] if argv is None else argv), report,
+                             time.perf_counter() - t_start, machine0,
+                             title="Failure atomicity: cost per decode step (bench/atomicity.py)")
     return 0
 
 

@@ -47,6 +47,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.append(HERE)
+import results  # noqa: E402  (bench/results.py)
 
 PHASES = ("prefill512", "prefill4x128", "decode1", "decode4")
 MODELS = ("mamba2", "lfm2", "qwen35", "kimi")
@@ -890,11 +892,10 @@ def print_profile(say, name, phase, nt, res):
     say(f"    {'sum':18s} {sum(mo.values()) * 1e3:10.3f} {sum(lo_.values()) * 1e3:10.3f}")
 
 
-SECTION_BEGIN = "<!-- bench/e2e.py --write{key}: begin (this section is rewritten by the script) -->"
-SECTION_END = "<!-- bench/e2e.py --write{key}: end -->"
+SECTION_BEGIN, SECTION_END = (m.replace("--write", "--write{key}") for m in results.markers("bench/e2e.py --write"))
 
 
-def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
+def write_results(text: str, args, path=results.RESULTS):
     """Replace this script's section for these models of bench/RESULTS.md (between the markers),
     or append it: runs of other model sets keep their own sections."""
     tags = [getattr(args, "models", "")]
@@ -903,28 +904,8 @@ def write_results(text: str, args, path=os.path.join(HERE, "RESULTS.md")):
     key = f" ({', '.join(t for t in tags if t)})" if any(tags) else ""
     begin, end = SECTION_BEGIN.format(key=key), SECTION_END.format(key=key)
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "?"
-    except (OSError, subprocess.TimeoutExpired):
-        commit = "?"
-    block = (f"{begin}\n# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
-             f"`{cmd.strip()}` at commit {commit}\n\n```\n{text.strip()}\n```\n{end}\n")
-    try:
-        with open(path) as f:
-            doc = f.read()
-    except FileNotFoundError:
-        doc = ""
-    if begin in doc and end in doc:
-        a = doc.index(begin)
-        b = doc.index(end) + len(end)
-        if doc[b:b + 1] == "\n":
-            b += 1
-        doc = doc[:a] + block + doc[b:]
-    else:
-        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
-    with open(path, "w") as f:
-        f.write(doc)
+    results.replace_section(begin, end, f"# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
+                            f"`{cmd.strip()}` at commit {results.commit()}\n\n```\n{text.strip()}\n```", path)
 
 
 if __name__ == "__main__":

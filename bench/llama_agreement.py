@@ -25,6 +25,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.append(HERE)
+import results  # noqa: E402  (bench/results.py)
 
 import minigraph as mg  # noqa: E402
 from minigraph.models.delta_net import DeltaNetModel  # noqa: E402
@@ -93,21 +95,12 @@ def table() -> str:
     return "\n".join(lines)
 
 
-SECTION_BEGIN = "<!-- bench/llama_agreement.py --write: begin (this section is rewritten by the script) -->"
-SECTION_END = "<!-- bench/llama_agreement.py --write: end -->"
+SECTION_BEGIN, SECTION_END = results.markers("bench/llama_agreement.py --write")
 
 
-def write_section(text: str, path=os.path.join(HERE, "RESULTS.md")):
+def write_section(text: str, path=results.RESULTS):
     """Replace this script's section of bench/RESULTS.md, or append it."""
-    block = f"{SECTION_BEGIN}\n{text.rstrip()}\n{SECTION_END}\n"
-    doc = open(path).read() if os.path.exists(path) else ""
-    if SECTION_BEGIN in doc and SECTION_END in doc:
-        a, b = doc.index(SECTION_BEGIN), doc.index(SECTION_END) + len(SECTION_END)
-        doc = doc[:a] + block + doc[b + (doc[b:b + 1] == "\n"):]
-    else:
-        doc += ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
-    with open(path, "w") as f:
-        f.write(doc)
+    results.replace_section(SECTION_BEGIN, SECTION_END, text, path)
 
 
 def main(argv=None) -> int:

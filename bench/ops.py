@@ -33,6 +33,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+import results                                            # noqa: E402  (bench/results.py)
 
 import minigraph as mg                                    # noqa: E402
 from minigraph.graph import Graph                         # noqa: E402
@@ -489,60 +491,20 @@ def contention_rows(cases, threads, reps, min_time, over_budget=lambda: False):
     return lines, worst, slower
 
 
-def machine_line() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    model = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        cores = os.cpu_count()
-    la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"Machine: {model}, {cores} cores, load average {la}"
-
-
-SECTION_BEGIN = "<!-- bench/ops.py --write: begin (this section is rewritten by the script) -->"
-SECTION_END = "<!-- bench/ops.py --write: end -->"
+machine_line = results.machine_line
+SECTION_BEGIN, SECTION_END = results.markers("bench/ops.py --write")
 
 
 def section_markers(filter_: str = "") -> tuple:
     """The markers of the section a run writes: a filtered run (say --filter weights) has its
     own section, so it never replaces the full run's rows."""
-    if not filter_:
-        return SECTION_BEGIN, SECTION_END
-    tag = f"bench/ops.py --write --filter {filter_}"
-    return (f"<!-- {tag}: begin (this section is rewritten by the script) -->", f"<!-- {tag}: end -->")
+    return results.markers("bench/ops.py --write" + (f" --filter {filter_}" if filter_ else ""))
 
 
-def write_results(text: str, path=os.path.join(ROOT, "bench", "RESULTS.md"), filter_: str = ""):
+def write_results(text: str, path=results.RESULTS, filter_: str = ""):
     """Replace this script's section of bench/RESULTS.md (between the markers), or insert it
     before the model benchmarks (appended when that heading is absent)."""
-    SECTION_BEGIN, SECTION_END = section_markers(filter_)
-    block = f"{SECTION_BEGIN}\n{text.rstrip()}\n{SECTION_END}\n"
-    try:
-        with open(path) as f:
-            doc = f.read()
-    except FileNotFoundError:
-        doc = ""
-    if SECTION_BEGIN in doc and SECTION_END in doc:
-        a = doc.index(SECTION_BEGIN)
-        b = doc.index(SECTION_END) + len(SECTION_END)
-        if doc[b:b + 1] == "\n":
-            b += 1
-        doc = doc[:a] + block + doc[b:]
-    elif "\n# Model benchmarks" in doc:
-        i = doc.index("\n# Model benchmarks") + 1
-        doc = doc[:i] + block + "\n" + doc[i:]
-    else:
-        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
-    with open(path, "w") as f:
-        f.write(doc)
+    results.replace_section(*section_markers(filter_), text, path, before="# Model benchmarks")
 
 
 def copy_bandwidth(nbytes=64 << 20, reps=9) -> float:
@@ -685,12 +647,7 @@ def main(argv=None):
     for ln in tail:
         print(ln)
     if args.write:
-        try:
-            import subprocess
-            rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, timeout=10).stdout.strip() or "unknown"
-        except Exception:  # pragma: no cover - no git
-            rev = "unknown"
+        rev = results.commit()
         title = "## Op rows, script-written (`bench/ops.py --write`)" if not args.filter else \
             f"## Op rows matching '{args.filter}', script-written (`bench/ops.py --write --filter {args.filter}`)"
         text = [title, "",

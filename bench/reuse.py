@@ -1,6 +1,6 @@
 """Host time per decode step with graph reuse vs rebuild, for a 24-conv-layer model on the CPU.
 
-    python bench/reuse.py [--layers 24] [--steps 40] [--n-rs-seq 3] [--threads N]
+    python bench/reuse.py [--layers 24] [--steps 40] [--n-rs-seq 3] [--threads N] [--write]
 
 Host time of a step = the whole step minus the time the same graph takes to execute again
 (kernels only): graph build, scheduling, memory planning and the CPU plan on a rebuild; the reuse
@@ -15,6 +15,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+import results  # noqa: E402  (bench/results.py)
 
 import minigraph as mg  # noqa: E402
 from minigraph.models.runner import Runner  # noqa: E402
@@ -49,9 +51,18 @@ def main(argv=None):
     ap.add_argument("--n-rs-seq", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--write", action="store_true", help="(re)write this script's section of bench/RESULTS.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps = 15
+    if not args.write:
+        return run(args)
+    return results.run_and_write("bench/reuse.py", list(sys.argv[1:] if argv is None else argv),
+                                 "Graph reuse: host time per decode step (bench/reuse.py)",
+                                 lambda: run(args))
+
+
+def run(args):
     print(f"# {args.layers} conv layers, n_embd {args.n_embd}, n_rs_seq {args.n_rs_seq}, decode 1 token/step, "
           f"{args.steps} steps, {platform.machine()} {os.cpu_count()} cores")
     rows = {}

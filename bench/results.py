@@ -1,0 +1,116 @@
+"""bench/RESULTS.md's sections. Each benchmark script writes its report into sections of its own,
+between an HTML comment that opens it and one that closes it, both naming the script and what
+the run covered (`bench/ops.py --write --filter weights`, `bench/e2e.py --write (mamba2)`): a
+run replaces only its own section, so the file holds nothing but reports the scripts wrote."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "RESULTS.md")
+
+
+def markers(tag: str) -> tuple[str, str]:
+    """The opening and closing comments of the section `tag` names (say 'bench/models.py --write')."""
+    return (f"<!-- {tag}: begin (this section is rewritten by the script) -->", f"<!-- {tag}: end -->")
+
+
+def replace_section(begin: str, end: str, text: str, path: str = RESULTS, before: str | None = None):
+    """Put text between begin and end in the file at path: in place of that section when it is
+    there, else just before the line `before` (when given and present), else at the end."""
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except FileNotFoundError:
+        doc = ""
+    if begin in doc and end in doc:
+        a = doc.index(begin)
+        b = doc.index(end) + len(end)
+        doc = doc[:a] + block + doc[b + (doc[b:b + 1] == "\n"):]
+    elif before is not None and f"\n{before}" in doc:
+        i = doc.index(f"\n{before}") + 1
+        doc = doc[:i] + block + "\n" + doc[i:]
+    else:
+        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+def commit() -> str:
+    """The checkout's short commit ('?' outside git), for the line saying what ran."""
+    try:
+        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+def machine_line() -> str:
+    """'Machine: <CPU model>, <n> cores, load average a, b, c'."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    model = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cores = os.cpu_count()
+    la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"Machine: {model}, {cores} cores, load average {la}"
+
+
+class Tee:
+    """While entered, what is printed goes to the terminal and is kept (`text`): a script that
+    prints its report as it measures writes the same report into its section afterwards."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return self._out.write(s)
+
+    def flush(self):
+        self._out.flush()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __enter__(self) -> "Tee":
+        import sys
+        self._out, sys.stdout = sys.stdout, self
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        sys.stdout = self._out
+        return False
+
+
+def write_report(script: str, argv: list, text: str, wall_s: float, machine_at_start: str,
+                 path: str = RESULTS, title: str | None = None):
+    """A run's report as its script's section (`<script> --write`): a title, the command, commit,
+    wall time and the machine line at the start and the end, then the report as printed."""
+    begin, end = markers(f"{script} --write")
+    cmd = " ".join(["python", script] + [a for a in argv if a != "--write"])
+    head = (f"# {title or script}\n\n`{cmd}` at commit {commit()}; wall {wall_s:.0f} s. {machine_at_start} at the "
+            f"start; {machine_line().split(', load average ')[1]} at the end.\n")
+    replace_section(begin, end, f"{head}\n```\n{text.strip()}\n```", path)
+
+
+def run_and_write(script: str, argv: list, title: str, run, path: str = RESULTS):
+    """run() with what it prints also written as the script's section (write_report)."""
+    import time
+    machine0, t0 = machine_line(), time.perf_counter()
+    with Tee() as out:
+        rv = run()
+    write_report(script, argv, out.text, time.perf_counter() - t0, machine0, path=path, title=title)
+    return rv

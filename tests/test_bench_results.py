@@ -1,0 +1,42 @@
+"""bench/results.py, the section writer every benchmark script's --write goes through (no timing):
+a report printed while it runs is shown and also written, with the command and machine lines,
+into the script's own section; a second run replaces that section and leaves the others."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("bench_results", os.path.join(ROOT, "bench", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_and_write_prints_and_writes_the_report(results, tmp_path, capsys):
+    p = tmp_path / "RESULTS.md"
+    p.write_text("# Benchmark results\n")
+    other = results.markers("bench/other.py --write")
+    results.replace_section(*other, "other report", str(p))
+    for n in (1, 2):
+        def run():
+            print(f"row A {n}")
+            print(f"last line {n}")
+            return n
+        rv = results.run_and_write("bench/x.py", ["--quick", "--write"], "X (bench/x.py)", run, str(p))
+        assert rv == n
+        assert f"row A {n}\nlast line {n}\n" in capsys.readouterr().out
+    doc = p.read_text()
+    begin, end = results.markers("bench/x.py --write")
+    assert doc.count(begin) == 1 and doc.count(end) == 1 and "row A 1" not in doc
+    body = doc[doc.index(begin):doc.index(end)]
+    assert "# X (bench/x.py)" in body and "`python bench/x.py --quick` at commit " in body
+    assert "Machine: " in body and " at the end." in body and "row A 2\nlast line 2\n```" in body
+    assert doc.startswith("# Benchmark results\n") and "other report" in doc
+
