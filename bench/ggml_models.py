@@ -30,7 +30,10 @@ from minigraph.models.runner import Runner            # noqa: E402
 from minigraph.models.zoo import make_model, parse_devices   # noqa: E402
 
 MODELS = ("mamba2", "delta-net", "lfm", "kda")
-ZOO_ARGS = {"lfm": dict(head_count_kv=[0, 0, 0, 0])}   # recurrent LFM2, as bench/models.py times it
+# the recurrent models bench/models.py times (the zoo's lfm, delta-net and kda have attention
+# blocks, whose KV cache these endless decodes would fill)
+ZOO_ARGS = {"lfm": dict(head_count_kv=[0, 0, 0, 0]), "delta-net": dict(full_attention_interval=0),
+            "kda": dict(head_count_kv=0)}
 N_LAYER, N_SEQS = 4, 2
 
 

@@ -69,17 +69,17 @@ GgmlRunner, MgRunner, fmt, time_alternating = (bench_ops.GgmlRunner, bench_ops.M
 
 go = bench_ops.go
 if go is not None:
+    # (ggml_graph_n_nodes and ggml_graph_node come with the shared lowering's declarations)
     go.ffi.cdef("""
-        int ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
-        struct ggml_tensor * ggml_graph_node(struct ggml_cgraph * cgraph, int i);
         void ggml_graph_add_node(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
         const char * ggml_op_desc(const struct ggml_tensor * t);
     """)
 
 MODELS = ("mamba2", "delta-net", "lfm", "kda")
-# the zoo's lfm has an attention block (a KV cache that these endless decodes would fill): the
-# bench keeps timing the recurrent LFM2 it always measured, 2 short-conv blocks
-ZOO_ARGS = {"lfm": dict(n_layer=2, head_count_kv=[0, 0])}
+# the zoo's lfm, delta-net and kda have an attention block (a KV cache that these endless decodes
+# would fill): the bench keeps timing the recurrent models it always measured, 2 recurrent blocks
+ZOO_ARGS = {"lfm": dict(n_layer=2, head_count_kv=[0, 0]), "delta-net": dict(full_attention_interval=0),
+            "kda": dict(head_count_kv=0)}
 LAYERS = ("mamba2", "delta-net")
 TARGET = {"decode": 1.0, "prefill": 1.0}   # minigraph/ggml at most: as fast as ggml on every layer graph
 N_SEQS, N_RS_SEQ = 2, 3
