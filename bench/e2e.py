@@ -8,7 +8,7 @@
 Each model is written once by minigraph (models/gguf_io.save_gguf, seeded random F32 weights at
 realistic sizes; cached in --dir under a key of the spec and the writing code's source) and the
 same file is loaded by both engines. Every row (model, phase, threads,
-engine) runs in a fresh worker process of its own, so its peak RSS (ru_maxrss) is that engine's
+engine) runs in a fresh worker process of its own, so its peak RSS (VmHWM) is that engine's
 alone, and llama.cpp's ggml never shares a process with anything else. Both engines get the same
 token ids and the same decode calls:
 
@@ -451,6 +451,22 @@ def ttft_row(say, name, ftype, path, nt, quick, reps):
         f"{med['minigraph'][1]:7.3f} {med['minigraph'][0] / med['llama'][0]:8.2f} {err:8.1e} {loadavg().split()[0]}")
 
 
+def peak_rss() -> int:
+    """This process's peak resident set in bytes: VmHWM, the high-water mark of the memory it has
+    had since its exec. Not ru_maxrss: Linux carries the RSS of the process that forked it across
+    fork and exec into that (a worker started after the driver wrote a 1.3 GB model read 2775M
+    whatever the engine)."""
+    try:
+        with open("/proc/self/status") as f:
+            for ln in f:
+                if ln.startswith("VmHWM:"):
+                    return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def worker(cfg: dict, out_path: str) -> int:
     """One engine on one row, driven by the parent over stdin/stdout (one line each way):
     'ready' once warm, then 'rep I' -> seconds, until 'done'; then the peak RSS, the checked
@@ -458,7 +474,6 @@ def worker(cfg: dict, out_path: str) -> int:
     if cfg.get("ttft"):
         return ttft_worker(cfg, out_path)
     import pickle
-    import resource
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)                  # whatever the engines print goes to stderr, not into the channel
     engine, path, phase, nt, reps, quick = (cfg["engine"], cfg["path"], cfg["phase"], cfg["threads"], cfg["reps"],
@@ -481,7 +496,7 @@ def worker(cfg: dict, out_path: str) -> int:
             break
         times.append(run.rep(int(cmd[1])))
         print(f"{times[-1]!r}", file=reply, flush=True)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_rss()
     res = dict(times=times, tokens=run.tokens, rss=rss, load_s=load_s, outs=outs)
     if cfg.get("profile"):
         try:

@@ -127,3 +127,22 @@ def test_write_sections_by_file_type_and_ttft(e2e, tmp_path):
         assert doc.count(e2e.SECTION_BEGIN.format(key=key)) == 1, doc
         a = doc.index(e2e.SECTION_BEGIN.format(key=key))
         assert text in doc[a:doc.index(e2e.SECTION_END.format(key=key))]
+
+
+def test_a_worker_peak_rss_is_its_own_not_its_parents(tmp_path):
+    """The RSS column is each engine worker's peak: a worker started by a parent holding 400 MB
+    must not report those 400 MB (ru_maxrss does on Linux: it survives fork and exec)."""
+    child = tmp_path / "child.py"
+    child.write_text("import importlib.util\n"
+                     f"spec = importlib.util.spec_from_file_location('e2e', {SCRIPT!r})\n"
+                     "m = importlib.util.module_from_spec(spec)\n"
+                     "spec.loader.exec_module(m)\n"
+                     "print(m.peak_rss())\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text("import subprocess, sys\n"
+                      "hold = bytearray(400 << 20)\n"
+                      "for i in range(0, len(hold), 4096): hold[i] = 1\n"
+                      f"print(subprocess.run([sys.executable, {str(child)!r}], capture_output=True, text=True,"
+                      " check=True).stdout)\n")
+    out = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) < 300 << 20, out.stdout
