@@ -573,10 +573,13 @@ class Worker:
             pass
 
 
+SETTLE_S = 0.2   # well past both engines' idle spin (libgomp: 300,000 spins; minigraph: 50 us)
+
+
 def run_row(cfg: dict, reps: int, timeout: float) -> dict:
     """Both engines on one row, each in its own process (loaded and warmed at the same time),
     their timed repetitions alternating (the engine that goes first alternates too), so a change
-    in the machine's load falls on both alike. {engine: result or {'error': one line}}."""
+    in the machine's load falls on both alike, each after a pause (SETTLE_S). {engine: result or {'error': one line}}."""
     import threading
     engines = ("llama", "minigraph")
     ws = {e: Worker(dict(cfg, engine=e)) for e in engines}
@@ -591,6 +594,9 @@ def run_row(cfg: dict, reps: int, timeout: float) -> dict:
                 res[e] = {"error": str(err)}
         for i in range(reps if not res else 0):
             for e in (engines if i % 2 == 0 else engines[::-1]):
+                # a pause first: threads the other engine's last call left spinning (libgomp's
+                # spin-wait, minigraph's idle spin) must not take a core from this repetition
+                time.sleep(SETTLE_S)
                 float(ws[e].ask(f"rep {i}"))
         for e, w in ws.items():                          # one at a time: the profiles time alone
             if e not in res:
