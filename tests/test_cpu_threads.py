@@ -231,3 +231,53 @@ def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(
     assert stalls >= 1 and serial >= 1, (parallel, serial, stalls)
     be.graph_compute(gf)
     assert np.array_equal(out.numpy(), want)
+
+
+def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(split_everything):
+    """One long run (a chain of 1500 split nodes): a worker sleeps 20 ms in the first chunks it
+    claims, the caller detects the stall and runs alone, and once the backoff (a few ms) is over
+    the nodes left are published again and the worker, no longer delayed, takes chunks in the same
+    run; the result stays exact. (Skipped when the worker takes no chunk: on a loaded machine it
+    may only ever be placed on the caller's CPU, where it stands aside.)"""
+    import threading
+    import time
+    be1, be2 = cpu.CpuBackend(380).set_n_threads(1), cpu.CpuBackend(381).set_n_threads(2)
+    x = np.random.default_rng(9).standard_normal((16, 4096)).astype(np.float32)
+    outs = []
+    for be in (be1, be2):
+        ctx = Context()
+        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
+        h = a
+        for i in range(1500):
+            h = mg.scale(h, 1.0 + 1e-4 * (i % 7)) if i % 2 else mg.add(h, a)
+        mg.alloc_ctx_tensors(ctx, be)
+        a.set(x)
+        gf = mg.Graph().build_forward_expand(h.set_output())
+        outs.append((be, gf, h))
+    be1.graph_compute(outs[0][1])
+    want = outs[0][2].numpy()
+    _, gf, out = outs[1]
+    be2.graph_compute(gf)                                 # the plan, built outside the timing
+    for _ in range(10):                                   # a run with no stall first: no backoff left
+        be2.graph_compute(gf)
+    st = cpu.ffi.new("int64_t[5]")
+    cpu.lib.mg_pool_stats(st)
+    before = list(st)
+    cpu.lib.mg_debug_worker_delay(20_000_000)
+    stop = threading.Timer(0.01, lambda: cpu.lib.mg_debug_worker_delay(0))   # only the run's start
+    stop.start()
+    try:
+        t0 = time.perf_counter()
+        be2.graph_compute(gf)
+        wall = time.perf_counter() - t0
+    finally:
+        stop.cancel()
+        cpu.lib.mg_debug_worker_delay(0)
+    cpu.lib.mg_pool_stats(st)
+    parallel, serial, stalls, _, worker_chunks = (y - x for x, y in zip(before, st))
+    assert np.array_equal(out.numpy(), want)
+    if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
+        pytest.skip("the worker took no chunk")
+    # the stall ended a segment and the rest was published again (two or more segments counted
+    # as parallel runs), and the worker came back for more than its delayed chunks
+    assert stalls >= 1 and parallel >= 2 and worker_chunks > 2, (parallel, serial, stalls, worker_chunks, wall)

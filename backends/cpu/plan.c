@@ -16,10 +16,12 @@
  *    naps) and the caller yields (sched_yield) to a worker finishing a chunk on its core;
  *  - a wait far longer for a worker's chunk than the caller's own chunks took is a stall (the
  *    worker was descheduled holding it). Once a run's stalls add up to a share of its time
- *    (STALL_RUN_SHARE, and at least STALL_SOLO_MIN_NS), the rest of it is the caller's alone,
- *    and the next runs stay on the caller's thread for a backoff (2 ms, doubling to 256 ms on
- *    repeated stalls). One late chunk in a long prefill run therefore costs its wait, not the
- *    rest of the run at one thread;
+ *    (STALL_RUN_SHARE, and at least STALL_SOLO_MIN_NS), the run is the caller's alone for a
+ *    backoff (2 ms, doubling to 256 ms on repeated stalls, halving over runs without one): the
+ *    nodes left when it ends are published again as a new run, which the workers join, and a
+ *    run that ends first hands what is left of the backoff to the next runs (serial). A stall
+ *    early in a long prefill run (one 533-node run per kimi-like prefill: it went solo 15 ms in
+ *    and ran its remaining 1.3 s on one thread) therefore costs the backoff, not the rest;
  *  - a worker the scheduler placed on the caller's CPU stands aside (on_main_cpu).
  * A plan whose nodes are all one chunk never involves the workers.
  * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
@@ -171,6 +173,7 @@ static struct {
     _Atomic uint32_t solo_gen;         /* == gen when the caller finishes the run alone (a stall) */
     _Atomic int main_cpu;              /* the CPU the caller last ran a split node on */
     int64_t serial_until;              /* after a stall, runs stay on the caller's thread until then */
+    int64_t solo_until;                /* a run that went solo is the caller's alone until then */
     int64_t backoff;                   /* the current serial stretch, ns (0: no recent stall) */
     int64_t run_t0, stall_ns;          /* the current run's start and its stalls' waits so far */
     /* the run descriptor (read by workers under the gen seqlock) */
@@ -257,10 +260,17 @@ static inline int left(uint32_t gen) {   /* the run was stopped or left to the c
            atomic_load_explicit(&P.solo_gen, memory_order_relaxed) == gen;
 }
 
-static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error *err) {
+/* The caller (main_thread) sets *stalled when the run goes solo, and P.solo_until to when the
+ * workers may come back; once that has passed it stops before the next node and sets *resume to
+ * that node's index (the rest is published again as a new run). Workers pass resume NULL. */
+static int run_nodes(const run_view *v, int main_thread, int *stalled, int *resume, mg_error *err) {
     const uint64_t tag = (uint64_t)v->gen << 32;
     for (int i = 0; i < v->n_nodes; i++) {
         node_sync *ns = &v->sync[i];
+        if (main_thread && *stalled && i > 0 && now_ns() >= P.solo_until) {
+            *resume = i;   /* the solo stretch is over: the workers join the rest */
+            return MG_OK;
+        }
         if (i > 0 && !main_thread) {   /* node i - 1 complete (the caller completes each node itself) */
             node_sync *ps = &v->sync[i - 1];
             const uint64_t want = tag | (uint64_t)CL_N(atomic_load_explicit(&ps->claim, memory_order_relaxed));
@@ -335,6 +345,9 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, mg_error 
                         counted = t - t_claimed;
                         if (P.stall_ns > STALL_SOLO_MIN_NS && P.stall_ns * STALL_RUN_SHARE > t - P.run_t0) {
                             *stalled = 1;
+                            P.backoff = P.backoff ? (P.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : P.backoff * 2)
+                                                  : BACKOFF_MIN_NS;
+                            P.solo_until = t + P.backoff;
                             atomic_store_explicit(&P.solo_gen, v->gen, memory_order_relaxed);
                         }
                     }
@@ -386,7 +399,7 @@ static void *worker_main(void *arg) {
         if (atomic_load_explicit(&P.gen, memory_order_relaxed) != g) continue;
         if (a.index >= n_workers) continue;
         int unused = 0;
-        run_nodes(&v, 0, &unused, &dummy);
+        run_nodes(&v, 0, &unused, NULL, &dummy);
     }
     return NULL;
 }
@@ -443,15 +456,12 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
         }
         P.serial_until = 0;
     }
-    const uint32_t g_old = atomic_load_explicit(&P.gen, memory_order_relaxed);
-    int n_workers = pool_grow(n_threads - 1, g_old);
+    int n_workers = pool_grow(n_threads - 1, atomic_load_explicit(&P.gen, memory_order_relaxed));
     if (n_workers > n_threads - 1) n_workers = n_threads - 1;
     if (n_workers == 0) {
         pthread_mutex_unlock(&P.run_lock);
         return run_serial(nodes, n_nodes, err);
     }
-    const uint32_t g = g_old + 2;
-    atomic_store(&P.gen, g_old + 1);   /* preparing: workers re-read after it turns even */
     node_sync *sync = atomic_load_explicit(&P.sync, memory_order_relaxed);
     if (n_nodes > P.sync_cap) {
         /* the old array is kept (leaked): a late worker may still read it. Doubling bounds the
@@ -460,7 +470,6 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
         while (cap < n_nodes) cap *= 2;
         node_sync *ns = aligned_alloc(64, (size_t)cap * sizeof(node_sync));
         if (ns == NULL) {
-            atomic_store(&P.gen, g_old + 2);
             pthread_mutex_unlock(&P.run_lock);
             return run_serial(nodes, n_nodes, err);
         }
@@ -471,33 +480,43 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
         sync = ns;
         P.sync_cap = cap;
     }
-    const uint64_t tag = (uint64_t)g << 32;
-    for (int i = 0; i < n_nodes; i++) {
-        const int n = node_chunks(&nodes[i], n_workers + 1);
-        const uint64_t open = check_for(nodes[i].op) != NULL || kernel_for(nodes[i].op) == NULL ? 0 : CL_OPEN;
-        atomic_store_explicit(&sync[i].done, tag, memory_order_relaxed);
-        atomic_store_explicit(&sync[i].claim, tag | open | ((uint64_t)n << 16), memory_order_relaxed);
-    }
-    atomic_store_explicit(&P.nodes, nodes, memory_order_relaxed);
-    atomic_store_explicit(&P.n_nodes, n_nodes, memory_order_relaxed);
-    atomic_store_explicit(&P.n_workers, n_workers, memory_order_relaxed);
-    atomic_store_explicit(&P.sync, sync, memory_order_relaxed);
-    atomic_store(&P.gen, g);           /* published (seq_cst: ordered before the sleepers check) */
-    if (atomic_load(&P.sleepers) > 0) futex(&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+    /* the run, published as one or more segments: a segment that went solo ends once its solo
+     * stretch (the backoff) is over, and the nodes left are published again as a new run, which
+     * the workers join; a long prefill run that stalls once loses the backoff, not its rest */
+    int rc = MG_OK, start = 0, stalled = 0;
+    for (;;) {
+        const uint32_t g = atomic_load_explicit(&P.gen, memory_order_relaxed) + 2;
+        const int n_seg = n_nodes - start;
+        atomic_store(&P.gen, g - 1);   /* preparing: workers re-read after it turns even */
+        const uint64_t tag = (uint64_t)g << 32;
+        for (int i = 0; i < n_seg; i++) {
+            mg_node *nd = &nodes[start + i];
+            const int n = node_chunks(nd, n_workers + 1);
+            const uint64_t open = check_for(nd->op) != NULL || kernel_for(nd->op) == NULL ? 0 : CL_OPEN;
+            atomic_store_explicit(&sync[i].done, tag, memory_order_relaxed);
+            atomic_store_explicit(&sync[i].claim, tag | open | ((uint64_t)n << 16), memory_order_relaxed);
+        }
+        atomic_store_explicit(&P.nodes, nodes + start, memory_order_relaxed);
+        atomic_store_explicit(&P.n_nodes, n_seg, memory_order_relaxed);
+        atomic_store_explicit(&P.n_workers, n_workers, memory_order_relaxed);
+        atomic_store_explicit(&P.sync, sync, memory_order_relaxed);
+        atomic_store(&P.gen, g);           /* published (seq_cst: ordered before the sleepers check) */
+        if (atomic_load(&P.sleepers) > 0) futex(&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX);
 
-    run_view v = { nodes, n_nodes, sync, g };
-    int stalled = 0;
-    P.run_t0 = now_ns();
-    P.stall_ns = 0;
-    const int rc = run_nodes(&v, 1, &stalled, err);
-    st_parallel++;
-    if (stalled) {
-        st_stalls++;
-        P.backoff = P.backoff ? (P.backoff * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : P.backoff * 2) : BACKOFF_MIN_NS;
-        P.serial_until = now_ns() + P.backoff;
-    } else {
-        P.backoff /= 2;   /* decays over runs that went well */
+        run_view v = { nodes + start, n_seg, sync, g };
+        int resume = -1;
+        stalled = 0;
+        P.run_t0 = now_ns();
+        P.stall_ns = 0;
+        rc = run_nodes(&v, 1, &stalled, &resume, err);
+        if (rc != MG_OK) err->node += start;   /* the index in the caller's plan */
+        st_parallel++;
+        if (stalled) st_stalls++;
+        if (rc != MG_OK || resume < 0) break;
+        start += resume;
     }
+    if (stalled) P.serial_until = P.solo_until;   /* ended solo: the next runs finish the stretch */
+    else P.backoff /= 2;                          /* decays over runs that went well */
     pthread_mutex_unlock(&P.run_lock);
     return rc;
 }
