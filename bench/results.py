@@ -106,9 +106,14 @@ def write_report(script: str, argv: list, text: str, wall_s: float, machine_at_s
     replace_section(begin, end, f"{head}\n```\n{text.strip()}\n```", path)
 
 
-def run_and_write(script: str, argv: list, title: str, run, path: str = RESULTS):
-    """run() with what it prints also written as the script's section (write_report)."""
+def run_and_write(script: str, argv, title: str, run, write: bool = True, path: str = RESULTS):
+    """run(); when write, what it prints is also written as the script's section (write_report).
+    argv None: the command line's."""
+    import sys
     import time
+    if not write:
+        return run()
+    argv = list(sys.argv[1:] if argv is None else argv)
     machine0, t0 = machine_line(), time.perf_counter()
     with Tee() as out:
         rv = run()

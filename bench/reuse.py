@@ -55,12 +55,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.steps = 15
-    if not args.write:
-        return run(args)
-    return results.run_and_write("bench/reuse.py", list(sys.argv[1:] if argv is None else argv),
-                                 "Graph reuse: host time per decode step (bench/reuse.py)",
-                                 lambda: run(args))
-
+    return results.run_and_write("bench/reuse.py", argv, "Graph reuse: host time per decode step (bench/reuse.py)",
+                                 lambda: run(args), args.write)
 
 def run(args):
     print(f"# {args.layers} conv layers, n_embd {args.n_embd}, n_rs_seq {args.n_rs_seq}, decode 1 token/step, "

@@ -3,7 +3,6 @@ decoded by both engines in worker processes and the logits must agree before a s
 printed; no timing is asserted. Its --write plumbing replaces only its own section."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -13,16 +12,14 @@ import pytest
 
 from minigraph.testing import llama_oracle as lo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "e2e.py")
+import bench_scripts
+
+SCRIPT = bench_scripts.path("e2e")
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("e2e")
 
 
 @pytest.mark.llama

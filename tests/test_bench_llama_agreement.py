@@ -1,20 +1,14 @@
 """bench/llama_agreement.py's report plumbing (no llama.cpp needed): its rows name the four
 architectures with attention blocks where llama.cpp needs them, and --write replaces only its own
 section of RESULTS.md."""
-import importlib.util
-import os
 
 import minigraph as mg
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import bench_scripts
 
 
 def _script():
-    path = os.path.join(HERE, "..", "bench", "llama_agreement.py")
-    spec = importlib.util.spec_from_file_location("llama_agreement", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("llama_agreement")
 
 
 def test_rows_cover_the_four_archs_and_each_hybrid_has_attention():

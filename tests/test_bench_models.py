@@ -4,8 +4,6 @@ fill after a few hundred steps and stop the benchmark, as it did once the zoo's 
 gained attention blocks)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
@@ -14,19 +12,12 @@ from minigraph.models.memory import RecurrentMemory
 from minigraph.models.runner import Runner
 from minigraph.models.zoo import make_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import bench_scripts
 
 
 @pytest.mark.parametrize("script", ["models", "ggml_models"])
 def test_benchmarked_models_are_recurrent_only(script):
-    mod = _load(script)
+    mod = bench_scripts.load(script)
     layers = {"n_layer": mod.N_LAYER} if hasattr(mod, "N_LAYER") else {}
     for name in mod.MODELS:
         model = make_model(name, [mg.backend("cpu")], **{**layers, **mod.ZOO_ARGS.get(name, {})})

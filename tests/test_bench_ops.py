@@ -2,20 +2,15 @@
 leaves the rest; the busy process of the contention rows is gone after its block."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import bench_scripts
 
 
 @pytest.fixture(scope="module")
 def ops():
-    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(ROOT, "bench", "ops.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("ops")
 
 
 def test_write_inserts_then_replaces_its_section(ops, tmp_path):

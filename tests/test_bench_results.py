@@ -3,20 +3,15 @@ a report printed while it runs is shown and also written, with the command and m
 into the script's own section; a second run replaces that section and leaves the others."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import bench_scripts
 
 
 @pytest.fixture(scope="module")
 def results():
-    spec = importlib.util.spec_from_file_location("bench_results", os.path.join(ROOT, "bench", "results.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_scripts.load("results")
 
 
 def test_run_and_write_prints_and_writes_the_report(results, tmp_path, capsys):
@@ -29,7 +24,7 @@ def test_run_and_write_prints_and_writes_the_report(results, tmp_path, capsys):
             print(f"row A {n}")
             print(f"last line {n}")
             return n
-        rv = results.run_and_write("bench/x.py", ["--quick", "--write"], "X (bench/x.py)", run, str(p))
+        rv = results.run_and_write("bench/x.py", ["--quick", "--write"], "X (bench/x.py)", run, path=str(p))
         assert rv == n
         assert f"row A {n}\nlast line {n}\n" in capsys.readouterr().out
     doc = p.read_text()
