@@ -189,11 +189,13 @@ class HostBackend(Backend):
     def set_bytes(self, buf: Buffer, offs: int, data: np.ndarray):
         buf.mem[offs:offs + data.size] = data
 
-    def save_rows(self, dst: np.ndarray, rows: np.ndarray):
-        """Copy rows (a [count, n] uint8 view of this backend's memory, rows dense) into dst
-        (a dense [count, n] uint8 array) for keeping, as an undo journal does: a copy that is
-        read back only if a step fails (a backend may store it past the caches)."""
-        np.copyto(dst, rows)
+    def save_rows(self, pairs):
+        """For each (dst, rows) of pairs, copy rows (a [count, n] uint8 view of this backend's
+        memory, rows dense) into dst (a dense [count, n] uint8 array) for keeping, as an undo
+        journal does: a copy that is read back only if a step fails (a backend may store it past
+        the caches). One call per step's spans, so a backend can run them as one batch."""
+        for dst, rows in pairs:
+            np.copyto(dst, rows)
 
     def fill_guards(self, buf: Buffer, plan):
         buf.mem[:] = GUARD_BYTE

@@ -7,7 +7,9 @@ does that at a cost that grows with mem_size and n_rs_seq; the journal instead c
 - the cell metadata once, when the step starts (a few small Python objects per cell), and
 - before each ubatch computes, the rows its graph may write (`RecurrentMemory.rows_written_by`:
   the ubatch's cells and their rollback planes), one contiguous byte span per coalesced row range
-  per r/s tensor, through the backend's get_bytes (host, cuda and meta devices alike).
+  per r/s tensor: on the host through the backend's save_rows, all of a ubatch's spans in one
+  call (the cpu backend runs them as one batch on its threads); on cuda and meta devices through
+  get_bytes.
 
 A hybrid memory (models/hybrid_memory.py) names byte spans (`byte_spans_written_by`): the
 recurrent rows as above, plus the K rows of the ubatch's KV cells and, in the transposed V, those
@@ -101,18 +103,25 @@ class StepJournal:
         """Save the spans the graph of `ub` (just placed by find_slot) may write. On the host,
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
         one short span per channel row) are copied as one strided block, not one by one."""
+        copies = {}                  # backend -> ([(arena rows, cache rows)], the spans they save)
         for t, offs, stride, count, n in strided_runs(spans_written_by(self.memory, ub)):
             host = _host_bytes(t)
             if host is not None:
                 mem, base = host
                 data = self._arena(count * n).reshape(count, n)
-                t.backend.save_rows(data, _strided(mem, base + offs, stride, count, n))
-                self.spans.append((t, offs, stride, data))
+                pairs, saved = copies.setdefault(t.backend, ([], []))
+                pairs.append((data, _strided(mem, base + offs, stride, count, n)))
+                saved.append((t, offs, stride, data))
             else:
                 for i in range(count):
                     data = read_span(self.memory, t, offs + i * stride, n)
                     self.spans.append((t, offs + i * stride, 0, data))
             self.nbytes += count * n
+        # one call per backend (one batch); a span joins the journal once its copy is made, so
+        # an undo after a failure here puts back only what was saved
+        for backend, (pairs, saved) in copies.items():
+            backend.save_rows(pairs)
+            self.spans.extend(saved)
 
     def undo(self):
         """Put back every saved span, newest first, then the metadata of the step's start."""

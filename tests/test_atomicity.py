@@ -192,6 +192,37 @@ def test_failure_in_the_second_ubatch_undoes_the_whole_step(monkeypatch, name, d
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
+def test_failure_while_the_journal_saves_the_second_ubatch_undoes_the_step(monkeypatch, name, device):
+    """The journal's copy for the 2nd ubatch fails halfway through its spans (after the 1st ubatch
+    wrote its states): the spans it never saved must not be put back (they would write stale
+    journal bytes over the cache), and nothing of the step remains."""
+    from minigraph.backend import HostBackend
+    r = make_runner(name, device, n_ubatch=4)
+    twin = make_runner(name, device, model=r.model, n_ubatch=4)
+    prime(r), prime(twin)
+    before = whole_memory(r)
+    from minigraph.backends.cpu import CpuBackend
+    calls = []
+    for cls in (HostBackend, CpuBackend):                # the two save_rows there are
+        real = vars(cls)["save_rows"]
+
+        def save_rows(self, pairs, real=real):
+            calls.append(len(pairs))
+            if len(calls) == 2:
+                real(self, pairs[:len(pairs) // 2])
+                raise KeyboardInterrupt
+            real(self, pairs)
+        monkeypatch.setattr(cls, "save_rows", save_rows)
+    with pytest.raises(KeyboardInterrupt):
+        r.decode_seq_tokens({0: [1, 2, 3, 4, 5, 6], 1: [7, 8, 9, 10, 11, 12]})
+    assert len(calls) == 2
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    continue_like_a_twin(r, twin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
 def test_bad_token_id_changes_nothing(name, device):
     r = make_runner(name, device)
     twin = make_runner(name, device, model=r.model)

@@ -29,6 +29,6 @@ def test_save_rows_equals_numpy_copy(count, n, stride, n_threads, request):
         for dst_off in (0, 5, 64):
             arena = np.zeros(count * n + dst_off, np.uint8)
             dst = arena[dst_off:].reshape(count, n)
-            be.save_rows(dst, rows)
+            be.save_rows([(dst, rows)])
             assert np.array_equal(dst, rows), (src_off, dst_off)
             assert not arena[:dst_off].any()          # nothing written before the destination

@@ -198,26 +198,34 @@ class CpuBackend(HostBackend):
     # short conv state, one KV row) stay with NumPy's copy
     SAVE_ROWS_STREAMING_MIN = 1 << 16
 
-    def save_rows(self, dst: np.ndarray, rows: np.ndarray):
-        """The undo journal's copy in C (the CPY:save_rows record, copy.c) with streaming stores,
-        shared by the backend's threads: it is read back only if a step fails, so its lines need
-        not pass through the caches, and a decode step's journal is bound by memory bandwidth,
-        which two cores have more of than one."""
-        count, n = rows.shape
-        if (lib is None or count * n < self.SAVE_ROWS_STREAMING_MIN or rows.dtype != np.uint8
-                or dst.dtype != np.uint8 or not dst.flags.c_contiguous or dst.shape != rows.shape
-                or (n > 1 and rows.strides[1] != 1) or (count > 1 and rows.strides[0] < n)):
-            np.copyto(dst, rows)
+    def save_rows(self, pairs):
+        """The undo journal's copies in C, one CPY:save_rows record (copy.c) per large span, all of
+        a step's in one plan run shared by the backend's threads: they are read back only if a
+        step fails, so their lines need not pass through the caches (streaming stores), and a
+        decode step's journal is bound by memory bandwidth, which two cores have more of than
+        one. Small spans (a short conv state, one KV row) stay with NumPy's copy."""
+        big = []
+        for dst, rows in pairs:
+            count, n = rows.shape
+            if (lib is None or count * n < self.SAVE_ROWS_STREAMING_MIN or rows.dtype != np.uint8
+                    or dst.dtype != np.uint8 or not dst.flags.c_contiguous or dst.shape != rows.shape
+                    or (n > 1 and rows.strides[1] != 1) or (count > 1 and rows.strides[0] < n)):
+                np.copyto(dst, rows)
+            else:
+                big.append((dst, rows))
+        if not big:
             return
-        rec = ffi.new("mg_node *")
-        rec.op = STEP_CODES["CPY:save_rows"]
-        rec.n_src = 1
-        rec.dst.data = ffi.cast("char *", dst.ctypes.data)
-        rec.src[0].data = ffi.cast("char *", rows.ctypes.data)
-        rec.ip[0], rec.ip[1], rec.ip[2] = (rows.strides[0] if count > 1 else n), count, n
-        rec.cost = 2 * count * n                  # bytes read and written: the executor's split
+        recs = ffi.new("mg_node[]", len(big))
+        for rec, (dst, rows) in zip(recs, big):
+            count, n = rows.shape
+            rec.op = STEP_CODES["CPY:save_rows"]
+            rec.n_src = 1
+            rec.dst.data = ffi.cast("char *", dst.ctypes.data)
+            rec.src[0].data = ffi.cast("char *", rows.ctypes.data)
+            rec.ip[0], rec.ip[1], rec.ip[2] = (rows.strides[0] if count > 1 else n), count, n
+            rec.cost = 2 * count * n              # bytes read and written: the executor's split
         err = ffi.new("mg_error *")
-        if lib.mg_plan_run(rec, 1, int(self.n_threads), err) != 0:   # pragma: no cover (no check)
+        if lib.mg_plan_run(recs, len(big), int(self.n_threads), err) != 0:   # pragma: no cover (no check)
             raise RuntimeError(f"CPY:save_rows: backend {self.name} failed (code {err.code})")
 
     # -- plans ------------------------------------------------------------------------------
