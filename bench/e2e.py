@@ -913,9 +913,6 @@ def print_profile(say, name, phase, nt, res):
     say(f"    {'sum':18s} {sum(mo.values()) * 1e3:10.3f} {sum(lo_.values()) * 1e3:10.3f}")
 
 
-SECTION_BEGIN, SECTION_END = (m.replace("--write", "--write{key}") for m in results.markers("bench/e2e.py --write"))
-
-
 def write_results(text: str, args, path=results.RESULTS):
     """Replace this script's section for these models of bench/RESULTS.md (between the markers),
     or append it: runs of other model sets keep their own sections."""
@@ -923,7 +920,7 @@ def write_results(text: str, args, path=results.RESULTS):
     tags += [] if getattr(args, "ftype", "f32") in ("f32", None) else [args.ftype]
     tags += ["ttft"] if getattr(args, "ttft", False) else []
     key = f" ({', '.join(t for t in tags if t)})" if any(tags) else ""
-    begin, end = SECTION_BEGIN.format(key=key), SECTION_END.format(key=key)
+    begin, end = results.markers(f"bench/e2e.py --write{key}")
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
     results.replace_section(begin, end, f"# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
                             f"`{cmd.strip()}` at commit {results.commit()}\n\n```\n{text.strip()}\n```", path)

@@ -312,8 +312,9 @@ def main(argv=None):
                          "are counted at the end (minigraph bench --quick uses it)")
     ap.add_argument("--write", action="store_true", help="(re)write this script's section of bench/RESULTS.md")
     args = ap.parse_args(argv)
-    return results.run_and_write("bench/models.py", argv, "Model benchmarks: tiny models on cpu, layer graphs against real ggml (bench/models.py)",
-                                 lambda: run(args), args.write)
+    title = "Model benchmarks: tiny models on cpu, layer graphs against real ggml (bench/models.py)"
+    return results.run_and_write("bench/models.py", argv, title, lambda: run(args), args.write)
+
 
 def run(args):
     threads = [int(t) for t in args.threads.split(",")]

@@ -491,10 +491,6 @@ def contention_rows(cases, threads, reps, min_time, over_budget=lambda: False):
     return lines, worst, slower
 
 
-machine_line = results.machine_line
-SECTION_BEGIN, SECTION_END = results.markers("bench/ops.py --write")
-
-
 def section_markers(filter_: str = "") -> tuple:
     """The markers of the section a run writes: a filtered run (say --filter weights) has its
     own section, so it never replaces the full run's rows."""
@@ -565,7 +561,7 @@ def main(argv=None):
     reps, min_time = (5, 0.02) if args.quick else (15, 0.05)
     threads = [int(t) for t in args.threads.split(",")]
     cmd = "python bench/ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine0 = machine_line()
+    machine0 = results.machine_line()
     t_start = time.time()
     skipped = []
 
@@ -652,7 +648,7 @@ def main(argv=None):
             f"## Op rows matching '{args.filter}', script-written (`bench/ops.py --write --filter {args.filter}`)"
         text = [title, "",
                 f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
-                f"start; {machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
+                f"start; {results.machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
                 f"this machine, not counting the benchmark's own busy process).", ""]
         cores = len(os.sched_getaffinity(0))
         if max(os.getloadavg()[0], float(machine0.rsplit("load average ", 1)[1].split(",")[0])) > cores:

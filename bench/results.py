@@ -4,8 +4,11 @@ the run covered (`bench/ops.py --write --filter weights`, `bench/e2e.py --write 
 run replaces only its own section, so the file holds nothing but reports the scripts wrote."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "RESULTS.md")
@@ -67,32 +70,22 @@ def machine_line() -> str:
 
 
 class Tee:
-    """While entered, what is printed goes to the terminal and is kept (`text`): a script that
-    prints its report as it measures writes the same report into its section afterwards."""
+    """A stdout that also keeps what is printed (`text`), for contextlib.redirect_stdout: a script
+    that prints its report as it measures writes the same report into its section afterwards."""
 
-    def __init__(self):
-        self.parts: list[str] = []
+    def __init__(self, out):
+        self.out, self.parts = out, []
 
     def write(self, s: str) -> int:
         self.parts.append(s)
-        return self._out.write(s)
+        return self.out.write(s)
 
     def flush(self):
-        self._out.flush()
+        self.out.flush()
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
-
-    def __enter__(self) -> "Tee":
-        import sys
-        self._out, sys.stdout = sys.stdout, self
-        return self
-
-    def __exit__(self, *exc):
-        import sys
-        sys.stdout = self._out
-        return False
 
 
 def write_report(script: str, argv: list, text: str, wall_s: float, machine_at_start: str,
@@ -109,13 +102,12 @@ def write_report(script: str, argv: list, text: str, wall_s: float, machine_at_s
 def run_and_write(script: str, argv, title: str, run, write: bool = True, path: str = RESULTS):
     """run(); when write, what it prints is also written as the script's section (write_report).
     argv None: the command line's."""
-    import sys
-    import time
     if not write:
         return run()
     argv = list(sys.argv[1:] if argv is None else argv)
     machine0, t0 = machine_line(), time.perf_counter()
-    with Tee() as out:
+    out = Tee(sys.stdout)
+    with contextlib.redirect_stdout(out):
         rv = run()
     write_report(script, argv, out.text, time.perf_counter() - t0, machine0, path=path, title=title)
     return rv

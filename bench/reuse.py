@@ -58,6 +58,7 @@ def main(argv=None):
     return results.run_and_write("bench/reuse.py", argv, "Graph reuse: host time per decode step (bench/reuse.py)",
                                  lambda: run(args), args.write)
 
+
 def run(args):
     print(f"# {args.layers} conv layers, n_embd {args.n_embd}, n_rs_seq {args.n_rs_seq}, decode 1 token/step, "
           f"{args.steps} steps, {platform.machine()} {os.cpu_count()} cores")

@@ -94,7 +94,8 @@ def test_write_replaces_only_its_section(e2e, tmp_path):
     e2e.write_results("third", Args(), str(p))
     doc = p.read_text()
     assert doc.startswith("# Op benchmarks\nprose\n")
-    assert doc.count(e2e.SECTION_BEGIN.format(key=" (mamba2)")) == 1 and doc.count(e2e.SECTION_END.format(key=" (lfm2)")) == 1
+    assert doc.count(e2e.results.markers("bench/e2e.py --write (mamba2)")[0]) == 1
+    assert doc.count(e2e.results.markers("bench/e2e.py --write (lfm2)")[1]) == 1
     assert "second" in doc and "third" in doc and "first" not in doc
     assert doc.index("second") < doc.index("third")
 
@@ -121,9 +122,9 @@ def test_write_sections_by_file_type_and_ttft(e2e, tmp_path):
     e2e.write_results("ttft rows", Args(), str(p))
     doc = p.read_text()
     for key, text in [(" (lfm2)", "f32 rows"), (" (lfm2, q8_0,q4_k_m)", "quantized rows"), (" (lfm2, ttft)", "ttft rows")]:
-        assert doc.count(e2e.SECTION_BEGIN.format(key=key)) == 1, doc
-        a = doc.index(e2e.SECTION_BEGIN.format(key=key))
-        assert text in doc[a:doc.index(e2e.SECTION_END.format(key=key))]
+        begin, end = e2e.results.markers(f"bench/e2e.py --write{key}")
+        assert doc.count(begin) == 1, doc
+        assert text in doc[doc.index(begin):doc.index(end)]
 
 
 def test_a_worker_peak_rss_is_its_own_not_its_parents(tmp_path):

@@ -4,7 +4,6 @@ fill after a few hundred steps and stop the benchmark, as it did once the zoo's 
 gained attention blocks)."""
 from __future__ import annotations
 
-
 import pytest
 
 import minigraph as mg

@@ -3,7 +3,6 @@ a report printed while it runs is shown and also written, with the command and m
 into the script's own section; a second run replaces that section and leaves the others."""
 from __future__ import annotations
 
-
 import pytest
 
 import bench_scripts
@@ -35,3 +34,7 @@ def test_run_and_write_prints_and_writes_the_report(results, tmp_path, capsys):
     assert "Machine: " in body and " at the end." in body and "row A 2\nlast line 2\n```" in body
     assert doc.startswith("# Benchmark results\n") and "other report" in doc
 
+
+def test_machine_line_names_cpu_cores_and_load(results):
+    line = results.machine_line()
+    assert line.startswith("Machine: ") and " cores, load average " in line
