@@ -643,13 +643,11 @@ def main(argv=None):
     for ln in tail:
         print(ln)
     if args.write:
-        rev = results.commit()
         title = "## Op rows, script-written (`bench/ops.py --write`)" if not args.filter else \
             f"## Op rows matching '{args.filter}', script-written (`bench/ops.py --write --filter {args.filter}`)"
         text = [title, "",
-                f"Command: `{cmd.strip()}` at commit {rev}; wall {time.time() - t_start:.0f} s. {machine0} at the "
-                f"start; {results.machine_line().split(', load average ')[1]} at the end (load average: other jobs on "
-                f"this machine, not counting the benchmark's own busy process).", ""]
+                "Command: " + results.run_line(cmd, time.time() - t_start, machine0) +
+                " (Load average: other jobs on this machine, not counting the benchmark's own busy process.)", ""]
         cores = len(os.sched_getaffinity(0))
         if max(os.getloadavg()[0], float(machine0.rsplit("load average ", 1)[1].split(",")[0])) > cores:
             text += [f"The machine was shared and loaded during this run (a load average above its {cores} cores: "

@@ -88,15 +88,20 @@ class Tee:
         return "".join(self.parts)
 
 
+def run_line(cmd: str, wall_s: float, machine_at_start: str) -> str:
+    """'`cmd` at commit C; wall W s. <machine line> at the start; <load average> at the end.'"""
+    return (f"`{cmd.strip()}` at commit {commit()}; wall {wall_s:.0f} s. {machine_at_start} at the start; "
+            f"{machine_line().split(', load average ')[1]} at the end.")
+
+
 def write_report(script: str, argv: list, text: str, wall_s: float, machine_at_start: str,
                  path: str = RESULTS, title: str | None = None):
     """A run's report as its script's section (`<script> --write`): a title, the command, commit,
     wall time and the machine line at the start and the end, then the report as printed."""
     begin, end = markers(f"{script} --write")
     cmd = " ".join(["python", script] + [a for a in argv if a != "--write"])
-    head = (f"# {title or script}\n\n`{cmd}` at commit {commit()}; wall {wall_s:.0f} s. {machine_at_start} at the "
-            f"start; {machine_line().split(', load average ')[1]} at the end.\n")
-    replace_section(begin, end, f"{head}\n```\n{text.strip()}\n```", path)
+    replace_section(begin, end, f"# {title or script}\n\n{run_line(cmd, wall_s, machine_at_start)}\n\n"
+                    f"```\n{text.strip()}\n```", path)
 
 
 def run_and_write(script: str, argv, title: str, run, write: bool = True, path: str = RESULTS):
