@@ -27,14 +27,10 @@ import numpy as np                                    # noqa: E402
 
 import minigraph as mg                                # noqa: E402
 from minigraph.models.runner import Runner            # noqa: E402
-from minigraph.models.zoo import make_model, parse_devices   # noqa: E402
+from minigraph.models.zoo import make_model, parse_devices, recurrent_only   # noqa: E402
 
 MODELS = ("mamba2", "delta-net", "lfm", "kda")
-# the recurrent models bench/models.py times (the zoo's lfm, delta-net and kda have attention
-# blocks, whose KV cache these endless decodes would fill)
-ZOO_ARGS = {"lfm": dict(head_count_kv=[0, 0, 0, 0]), "delta-net": dict(full_attention_interval=0),
-            "kda": dict(head_count_kv=0)}
-N_LAYER, N_SEQS = 4, 2
+N_LAYER, N_SEQS = 4, 2    # recurrent blocks only (zoo.recurrent_only), as bench/models.py times them
 
 
 def bench(name, spec, reps, steps, n_threads):
@@ -42,7 +38,7 @@ def bench(name, spec, reps, steps, n_threads):
     for d in devices:
         if hasattr(d, "set_n_threads") and not d.name.startswith("ggml:rpc"):
             d.set_n_threads(n_threads)
-    model = make_model(name, devices, n_layer=N_LAYER, **ZOO_ARGS.get(name, {}))
+    model = make_model(name, devices, n_layer=N_LAYER, **recurrent_only(name, N_LAYER))
     runner = Runner(model, mem_size=4, n_rs_seq=3, n_ubatch=64, atomic=False)
     tok = np.random.default_rng(1).integers(0, model.n_vocab, 1 << 16)
     pos = [0]

@@ -61,7 +61,7 @@ from minigraph.backends.cpu import CpuBackend                       # noqa: E402
 from minigraph.backends.cpu import ffi as cpu_ffi, lib as cpu_lib   # noqa: E402
 from minigraph.models.runner import Runner                          # noqa: E402
 from minigraph.models.standalone import layer_built                 # noqa: E402
-from minigraph.models.zoo import make_model                         # noqa: E402
+from minigraph.models.zoo import make_model, recurrent_only         # noqa: E402
 
 bench_ops = _load_bench_ops()
 GgmlRunner, MgRunner, fmt, time_alternating = (bench_ops.GgmlRunner, bench_ops.MgRunner, bench_ops.fmt,
@@ -76,10 +76,7 @@ if go is not None:
     """)
 
 MODELS = ("mamba2", "delta-net", "lfm", "kda")
-# the zoo's lfm, delta-net and kda have an attention block (a KV cache that these endless decodes
-# would fill): the bench keeps timing the recurrent models it always measured, 2 recurrent blocks
-ZOO_ARGS = {"lfm": dict(n_layer=2, head_count_kv=[0, 0]), "delta-net": dict(full_attention_interval=0),
-            "kda": dict(head_count_kv=0)}
+N_LAYER = 2        # recurrent blocks only (zoo.recurrent_only): the models these endless decodes time
 LAYERS = ("mamba2", "delta-net")
 TARGET = {"decode": 1.0, "prefill": 1.0}   # minigraph/ggml at most: as fast as ggml on every layer graph
 N_SEQS, N_RS_SEQ = 2, 3
@@ -143,7 +140,7 @@ def bench_model(name, n_threads, reps, steps, prefill_len):
     the reuse-on and reuse-off runners alternate, each timed over blocks of `steps[phase]` steps."""
     be = mg.backend("cpu")
     be.set_n_threads(n_threads)
-    model = make_model(name, [be], **ZOO_ARGS.get(name, {}))
+    model = make_model(name, [be], n_layer=N_LAYER, **recurrent_only(name, N_LAYER))
     runners = {reuse: Runner(model, mem_size=4, n_rs_seq=N_RS_SEQ, n_ubatch=64, reuse=reuse, atomic=False)
                for reuse in (False, True)}
     tok = np.random.default_rng(1).integers(0, model.n_vocab, 1 << 16)

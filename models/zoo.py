@@ -100,6 +100,19 @@ def gguf_model_info(path: str) -> tuple[str, type, dict]:
         raise UsageError(f"--gguf {path}: {why}") from None
 
 
+def recurrent_only(name: str, n_layer: int) -> dict:
+    """make_model keywords that give the zoo model `name` of n_layer blocks recurrent blocks only
+    (no attention block, so no KV cache, which an endless decode would fill): lfm, delta-net and
+    kda have an attention block by default, as llama.cpp's files do."""
+    if name in ("lfm", "lfm-hybrid"):
+        return dict(head_count_kv=[0] * n_layer)
+    if name == "delta-net":
+        return dict(full_attention_interval=0)
+    if name == "kda":
+        return dict(head_count_kv=0)
+    return {}
+
+
 def make_model(name: str | None, devices: list, seed: int = 0, gguf: str | None = None, **kw):
     """A tiny seeded zoo model, or (gguf=path) the model a GGUF file holds, built once and split
     over devices. With a file, name may be None or must name the file's architecture."""

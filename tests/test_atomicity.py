@@ -24,7 +24,7 @@ from minigraph.models.graph import GraphInput
 from minigraph.models.kv_cache import KVCells
 from minigraph.models.memory import coalesce_rows
 from minigraph.models.runner import DecodeError, Runner, atomic_mode
-from minigraph.models.zoo import make_model
+from minigraph.models.zoo import make_model, recurrent_only
 
 MODELS = ("toy", "mamba2", "delta-net", "lfm", "lfm-conv", "kda", "toy-hybrid")
 HYBRIDS = ("lfm", "toy-hybrid")
@@ -38,7 +38,7 @@ class Injected(RuntimeError):
 def zoo_model(name, devices):
     """A zoo model; "lfm-conv": LFM2 with short-conv blocks only."""
     if name == "lfm-conv":
-        return make_model("lfm", devices, head_count_kv=[0, 0, 0])
+        return make_model("lfm", devices, n_layer=3, **recurrent_only("lfm", 3))
     return make_model(name, devices)
 
 
