@@ -175,11 +175,13 @@ def plan_graph(nodes: list[Tensor], guard: int = 0, keep=()) -> Plan:
     free = _FreeList(guard)
     released = _Released()
     frees_at: dict[int, list[Tensor]] = {}
+    # whole-graph tensors (Tensor.set_whole_graph) take their bytes before any node runs
+    early = {n.id: free.alloc(n.nbytes()) for n in nodes if "whole_graph" in n.flags and needs_memory(n)}
     for i, n in enumerate(nodes):
         if needs_memory(n):
             size = n.nbytes()
             plan.naive_size += _align(size + guard)
-            off = plan.offsets[n.id] = free.alloc(size)
+            off = plan.offsets[n.id] = early[n.id] if n.id in early else free.alloc(size)
             released.take(off, size, n, plan.overwritten)
             plan.tensors.append(n)
             if n.id not in keep:

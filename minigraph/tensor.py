@@ -168,6 +168,14 @@ class Tensor:
             _output_epoch[0] += 1
         return self
 
+    def set_whole_graph(self) -> "Tensor":
+        """An output whose memory is its own for the whole compute: the planner gives it bytes
+        that no node uses, before it runs or after (an output's memory is only never reused after
+        it). Whatever is written there before the compute stays until this node overwrites it."""
+        self.set_output()
+        self.flags.add("whole_graph")
+        return self
+
     def set_weight(self) -> "Tensor":
         self.flags.add("weight")
         return self

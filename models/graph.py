@@ -184,6 +184,10 @@ class GraphResult:
     outputs: dict = field(default_factory=dict)
     sched: object = None
     copy_stats: tuple = (0, 0)      # (copies, bytes) per compute
+    # cache tensor -> build_rs's gather of it ([state_size, n_seqs], kept to the graph's end): row q
+    # holds cache row s_copy_main[q] as it was before the graph wrote anything (the undo journal
+    # restores from it instead of copying those rows first; models/step_journal.py)
+    witnesses: dict = field(default_factory=dict)
 
     def can_reuse(self, params: GraphParams) -> ReuseVerdict:
         """Truthy when this graph can run params' ubatch; else the first failed rule's verdict."""
@@ -276,6 +280,11 @@ class GraphContext:
         gf.build_forward_expand(mg.scale_inplace(zero, 0.0))
         fn = get_state_rows or (lambda ctx, st, ids: mg.get_rows(st, ids))
         out = fn(self.ctx0, states, inp.s_copy_main)
+        if get_state_rows is None and s.view_src is None and out.type == s.type:
+            # a plain gather is a byte copy of the rows it reads: in memory of its own for the whole
+            # compute, it is the undo journal's copy of them for free (whole graph: the journal's
+            # stamp, written before the compute, stays there until the gather runs)
+            self.res.witnesses[s] = out.set_whole_graph()
         gf.build_forward_expand(out)
         n_extra = inp.s_copy.ne[0] - n_seqs
         if n_extra > 0:

@@ -657,6 +657,25 @@ class RecurrentMemory:
             spans.append((plane * self.size + self.head, ub.n_seqs))
         return coalesce_rows(spans)
 
+    def reads_rows_in_place(self, ub: Ubatch) -> bool:
+        """True when the graph of `ub` (just placed by find_slot) writes only plane 0 of its own
+        cells [head, head+n_seqs) and reads each cell's state from that same row (no tail cells,
+        no zeroed row, no pending rollback): build_rs's gather of a cache tensor then holds, row for
+        row, the old bytes of everything the graph writes in it. A decode step of sequences that
+        stay in their cells is the common case."""
+        if self.n != ub.n_seqs or self.rs_z >= 0 or self.rows_written_by(ub) != [(self.head, ub.n_seqs)]:
+            return False
+        for q in range(ub.n_seqs):
+            cid = self.head + q
+            cell = self.cells[cid]
+            if cell.src0 != cid:
+                return False
+            if self.n_rs_seq and cell.seq_id:              # s_copy's plane, without consuming it
+                seq = min(cell.seq_id)
+                if 0 <= seq < self.n_seq_max and self.rs_idx[seq]:
+                    return False
+        return True
+
     def read_row_bytes(self, t: mg.Tensor, row0: int, count: int) -> np.ndarray:
         """Raw bytes of rows [row0, row0+count) of a cache tensor: one contiguous span."""
         return self._tensor_bytes(t, row0 * t.nb[1], count * t.nb[1])

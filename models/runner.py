@@ -10,7 +10,8 @@ on the same starting memory and raises ReuseMismatch on the first differing byte
 Failure atomicity (`atomic`, on by default): a step — `decode` (all its ubatches) or
 `speculative_step` (the draft and its rollback) — that raises leaves the memory's cells and state
 bytes exactly as they were before it. An undo journal (models/step_journal.py) copies the cell
-metadata and, before each ubatch computes, only the cache rows that ubatch may write; `atomic="full"`
+metadata and, before each ubatch computes, only the cache rows that ubatch may write (none of those
+its graph's own gathers already hold: Stats.witnessed_bytes); `atomic="full"`
 copies the whole cache instead (the old way, for comparison), `atomic=False` copies nothing."""
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class Stats:
     steps: int = 0                   # atomic steps run (decode / speculative_step calls)
     rebuild_reasons: list = field(default_factory=list)   # per build, why the previous graph was not reused
     snapshot_bytes: int = 0          # state bytes the undo journals copied, all steps together
+    witnessed_bytes: int = 0         # state bytes they left to the graphs' own gathers instead
 
 
 def clamp_n_rs_seq(model, n_rs_seq: int) -> int:
@@ -197,7 +199,8 @@ class Runner:
         if self._journal is not None or self.atomic is None:
             yield self._journal
             return
-        journal = JOURNALS[self.atomic](self.memory)
+        # the validator recomputes a reused graph from restored memory: the journal copies then
+        journal = JOURNALS[self.atomic](self.memory, defer=not self.validate)
         self._journal = journal
         try:
             yield journal
@@ -209,6 +212,7 @@ class Runner:
             self._journal = None
             self.stats.steps += 1
             self.stats.snapshot_bytes += journal.nbytes
+            self.stats.witnessed_bytes += getattr(journal, "witnessed", 0)
 
     def process_ubatch(self, ub) -> np.ndarray:
         """Run one ubatch; returns the logits of its output tokens (ub.output) [n_outputs, n_vocab]
@@ -242,6 +246,8 @@ class Runner:
             log.debug("graph rebuilt: %s", verdict.reason)
             self.stats.host_s_build += time.perf_counter() - t0
         before = self.memory.snapshot() if (reused and self.validate) else None
+        if journal is not None:
+            journal.bind(res)                # rows the graph's own gathers will hold are not copied
         res.set_inputs(ub)
         res.sched.graph_compute(res.gf)
         logits = self._read_logits(res, ub)

@@ -16,6 +16,15 @@ recurrent rows as above, plus the K rows of the ubatch's KV cells and, in the tr
 cells in every channel row; its metadata copy holds both memories' cells. `spans_written_by`
 gives either memory's set as byte spans, the one form the journal (and the tests) use.
 
+Rows the graph reads in place are not copied at all. When every sequence of the ubatch stays in
+its own cell and nothing else moves (`RecurrentMemory.reads_rows_in_place`: a plain decode step,
+no rollback, no tail cells), build_rs's gather of each cache tensor reads exactly the rows the graph
+then writes, before it writes them: the gather's output *is* the undo copy. The graph keeps that
+output in memory no other node uses (`Tensor.set_whole_graph`), and `bind` stamps its first bytes
+with random ones before the compute, so that undo can tell a gather that ran (stamp overwritten:
+restore from it) from one that never did (its rows were never written either). Before the next
+ubatch reuses the compute buffer, the gathers that ran are copied into the journal (`_settle`).
+
 On failure the saved spans are written back newest first, so a row written by several ubatches of
 the step ends with the copy taken before the first of them: the value it had before the step.
 
@@ -24,6 +33,7 @@ the step ends with the copy taken before the first of them: the value it had bef
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -65,6 +75,7 @@ def write_span(memory, t, offs: int, data: np.ndarray):
 # which cost as much as the copy itself. A step's spans are views into it; the next step of the
 # same memory (steps never overlap: nested ones join the outer journal) reuses it.
 _ARENAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+STAMP_BYTES = 32   # random bytes written over a bound gather's start: still there on undo = it never ran
 
 
 def _host_bytes(t) -> tuple[np.ndarray, int] | None:
@@ -80,12 +91,17 @@ def _host_bytes(t) -> tuple[np.ndarray, int] | None:
 class StepJournal:
     """Undo journal of one step: cell metadata plus the byte spans each ubatch may write."""
 
-    def __init__(self, memory: RecurrentMemory):
+    def __init__(self, memory: RecurrentMemory, defer: bool = True):
         self.memory = memory
+        self.defer = defer         # may rows be left to the graph's gathers (bind)
         self.meta = memory.meta_copy()
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
+        self.witnessed = 0                                        # state bytes left to graph gathers
         self._arena_offs = 0                                      # bytes of the arena this step used
+        self._deferred: list = []  # (cache tensor, byte offset, nbytes) of this ubatch, for bind
+        self._held: list = []      # (cache tensor, byte offset, gathered host bytes) bound to a graph
+        self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), np.uint8)
 
     def _arena(self, need: int) -> np.ndarray:
         """need bytes of this memory's arena, after what this step already saved there."""
@@ -103,8 +119,59 @@ class StepJournal:
         """Save the spans the graph of `ub` (just placed by find_slot) may write. On the host,
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
         one short span per channel row) are copied as one strided block, not one by one."""
+        self._settle()               # the last graph's gathers are about to be overwritten
+        spans = spans_written_by(self.memory, ub)
+        rec = getattr(self.memory, "recurrent", self.memory)
+        if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
+            # the graph's gathers will hold these rows' old bytes: bind() decides, per tensor
+            mine = set(rec.tensors())
+            self._deferred = [sp for sp in spans if sp[0] in mine]
+            spans = [sp for sp in spans if sp[0] not in mine]
+        self._save(spans)
+
+    def bind(self, res):
+        """The graph of the ubatch just passed to before_ubatch, allocated and about to compute:
+        each deferred row range whose cache tensor has a gather in `res.witnesses` (on the host)
+        is left to it, the gather's first bytes stamped so that undo can tell whether it ran;
+        the rest is copied now, before anything is written."""
+        deferred, self._deferred = self._deferred, []
+        rest = []
+        for t, offs, n in deferred:
+            g = res.witnesses.get(t)
+            host = _host_bytes(g) if g is not None else None
+            if host is None or g.nbytes() != n or n < STAMP_BYTES or not g.is_contiguous():
+                rest.append((t, offs, n))
+                continue
+            mem, base = host
+            held = mem[base:base + n]
+            held[:STAMP_BYTES] = self._stamp
+            self._held.append((t, offs, held))
+            self.witnessed += n
+        self._save(rest)
+
+    def _ran(self, held) -> bool:
+        """Whether the gather behind `held` ran: it overwrote the stamp with cache bytes (that
+        those equal 32 random bytes has probability 2**-256)."""
+        return not np.array_equal(held[:STAMP_BYTES], self._stamp)
+
+    def _settle(self):
+        """Copy the bytes the gathers of the graph that ran last hold into the journal: the next
+        graph reuses their memory."""
+        held, self._held = self._held, []
+        if self._deferred:      # before_ubatch without bind (no graph ran): copy them as usual
+            self._save(self._deferred)
+            self._deferred = []
+        for t, offs, data in held:
+            if self._ran(data):
+                arena = self._arena(data.size)
+                arena[...] = data
+                self.spans.append((t, offs, 0, arena))
+                self.nbytes += data.size
+                self.witnessed -= data.size
+
+    def _save(self, spans):
         copies = {}                  # backend -> ([(arena rows, cache rows)], the spans they save)
-        for t, offs, stride, count, n in strided_runs(spans_written_by(self.memory, ub)):
+        for t, offs, stride, count, n in strided_runs(spans):
             host = _host_bytes(t)
             if host is not None:
                 mem, base = host
@@ -124,7 +191,13 @@ class StepJournal:
             self.spans.extend(saved)
 
     def undo(self):
-        """Put back every saved span, newest first, then the metadata of the step's start."""
+        """Put back every saved span, newest first, then the metadata of the step's start. The
+        last graph's gathers come first (they are the newest); one that never ran left its rows
+        unwritten."""
+        for t, offs, data in reversed(self._held):
+            if self._ran(data):
+                write_span(self.memory, t, offs, data)
+        self._held = []
         for t, offs, stride, data in reversed(self.spans):
             if data.ndim == 2:                   # a host run (count x nbytes)
                 mem, base = _host_bytes(t)
@@ -163,13 +236,16 @@ def _strided(mem: np.ndarray, start: int, stride: int, count: int, n: int) -> np
 class FullCopyJournal:
     """The whole cache copied when the step starts: the cost grows with mem_size * K."""
 
-    def __init__(self, memory: RecurrentMemory):
+    def __init__(self, memory: RecurrentMemory, defer: bool = True):
         self.memory = memory
         self.snap = memory.snapshot()
         self.nbytes = sum(d.size for d in self.snap.data.values())
 
     def before_ubatch(self, ub: Ubatch):
         pass                                    # everything is already saved
+
+    def bind(self, res):
+        pass
 
     def undo(self):
         self.memory.restore(self.snap)
