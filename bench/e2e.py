@@ -326,6 +326,7 @@ def profile_minigraph(eng, phase, quick):
     for cls in set(step_journal.JOURNALS.values()):
         prof.wrap(cls, "__init__", "failure atomicity (undo journal)")
         prof.wrap(cls, "before_ubatch", "failure atomicity (undo journal)")
+        prof.wrap(cls, "bind", "failure atomicity (undo journal)")
     if hasattr(Scheduler, "copy_inputs"):
         prof.wrap(Scheduler, "copy_inputs", "scheduler copies")
     prof.wrap(mg.Tensor, "numpy", "Tensor.numpy (logits)")

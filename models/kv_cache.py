@@ -48,11 +48,13 @@ def pad_to(x: int, n: int) -> int:
 
 class KVCells:
     """llama_kv_cells: per cell a position (-1: empty), a set of seq ids and the shift accumulated
-    by seq_add / seq_div since the last K shift (a rope model re-rotates K by it; see has_shift)."""
+    by seq_add / seq_div since the last K shift (a rope model re-rotates K by it; see has_shift).
+    The seq sets are frozensets, replaced rather than changed, so that a copy (once per step, for
+    the undo journal and prepare's dry run) shares them: O(kv_size) list copies, no set copies."""
 
     def __init__(self, size: int):
         self.pos = [-1] * size
-        self.seq: list[set] = [set() for _ in range(size)]
+        self.seq: list[frozenset] = [frozenset()] * size
         self.shift = [0] * size
         self.has_shift = False
 
@@ -74,12 +76,12 @@ class KVCells:
 
     def free(self, i: int):
         self.pos[i] = -1
-        self.seq[i] = set()
+        self.seq[i] = frozenset()
         self.shift[i] = 0
 
     def seq_rm(self, i: int, seq: int) -> bool:
         """Drop seq from cell i; True when that emptied the cell."""
-        self.seq[i].discard(seq)
+        self.seq[i] = self.seq[i] - {seq}
         if not self.seq[i]:
             self.free(i)
             return True
@@ -109,7 +111,7 @@ class KVCells:
 
     def copy(self) -> "KVCells":
         c = KVCells(0)
-        c.pos, c.seq, c.shift, c.has_shift = list(self.pos), [set(s) for s in self.seq], list(self.shift), self.has_shift
+        c.pos, c.seq, c.shift, c.has_shift = list(self.pos), list(self.seq), list(self.shift), self.has_shift
         return c
 
 
@@ -234,7 +236,7 @@ class KVCache:
             if not self.cells.is_empty(c):
                 self.cells.free(c)
             self.cells.pos[c] = int(ub.pos[i])
-            self.cells.seq[c] = set(int(s) for s in ub.seq_id[i])
+            self.cells.seq[c] = frozenset(int(s) for s in ub.seq_id[i])
         self.head = idxs[-1] + 1           # may be kv_size: the next search wraps to cell 0
         self.idxs = list(idxs)
         self.ubatch = ub
@@ -290,7 +292,7 @@ class KVCache:
         p0, p1 = self._range(p0, p1)
         for i in range(self.size):
             if self._in(i, src, p0, p1):
-                self.cells.seq[i].add(dst)
+                self.cells.seq[i] = self.cells.seq[i] | {dst}
 
     def seq_keep(self, seq: int):
         """Drop every sequence but seq."""
@@ -298,7 +300,7 @@ class KVCache:
             if self.cells.pos[i] < 0:
                 continue
             if seq in self.cells.seq[i]:
-                self.cells.seq[i] = {seq}
+                self.cells.seq[i] = frozenset((seq,))
             else:
                 self.cells.free(i)
                 self._freed(i)
