@@ -917,7 +917,9 @@ def print_profile(say, name, phase, nt, res):
 def write_results(text: str, args, path=results.RESULTS):
     """Replace this script's section for these models of bench/RESULTS.md (between the markers),
     or append it: runs of other model sets keep their own sections."""
-    tags = [getattr(args, "models", "")]
+    # the model set in MODELS order: the same set given in another order rewrites the same section
+    given = set(getattr(args, "models", "").split(","))
+    tags = [",".join([m for m in MODELS if m in given] + sorted(given - set(MODELS) - {""}))]
     tags += [] if getattr(args, "ftype", "f32") in ("f32", None) else [args.ftype]
     tags += ["ttft"] if getattr(args, "ttft", False) else []
     key = f" ({', '.join(t for t in tags if t)})" if any(tags) else ""
