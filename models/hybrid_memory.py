@@ -167,9 +167,16 @@ class HybridMemory:
 
     def byte_spans_written_by(self, ub: Ubatch) -> list:
         """(tensor, byte offset, nbytes) the graph of ub may write, in both memories."""
+        return self._recurrent_spans(ub) + self.kv.byte_spans_written_by(ub)
+
+    def byte_runs_written_by(self, ub: Ubatch) -> list:
+        """The same as (tensor, byte offset, stride, count, nbytes) runs (the KV cache's V as
+        strided runs)."""
+        return [(t, offs, 0, 1, n) for t, offs, n in self._recurrent_spans(ub)] + self.kv.byte_runs_written_by(ub)
+
+    def _recurrent_spans(self, ub: Ubatch) -> list:
         rec = self.recurrent
-        out = [(t, row0 * t.nb[1], count * t.nb[1]) for row0, count in rec.rows_written_by(ub) for t in rec.tensors()]
-        return out + self.kv.byte_spans_written_by(ub)
+        return [(t, row0 * t.nb[1], count * t.nb[1]) for row0, count in rec.rows_written_by(ub) for t in rec.tensors()]
 
     def read_span(self, t, offs: int, n: int) -> np.ndarray:
         return self.kv.read_span(t, offs, n)       # the same raw byte access for every tensor

@@ -357,6 +357,13 @@ class KVCache:
     def byte_spans_written_by(self, ub: Ubatch) -> list[tuple[mg.Tensor, int, int]]:
         """(tensor, byte offset, nbytes) of everything the graph of `ub` (just placed) may write:
         the K rows of its cells, and in the transposed V the same cells of every channel row."""
+        return [(t, offs + i * stride, n) for t, offs, stride, count, n in self.byte_runs_written_by(ub)
+                for i in range(count)]
+
+    def byte_runs_written_by(self, ub: Ubatch) -> list[tuple[mg.Tensor, int, int, int, int]]:
+        """The same bytes as (tensor, byte offset, stride, count, nbytes) runs: per run of cells,
+        one span of K rows, and one strided run over V's channel rows (kv_size cells apart), so
+        that the undo journal does not handle n_embd_v spans one by one per layer."""
         if self.ubatch is not ub:
             raise ValueError("kv byte_spans_written_by: the ubatch was not the last one placed "
                              "(rule: call it right after a successful find_slot)")
@@ -364,11 +371,11 @@ class KVCache:
         out = []
         for il in self.layers:
             k, v = self.k_l[il], self.v_l[il]
-            out += [(k, c0 * k.nb[1], n * k.nb[1]) for c0, n in runs]
+            out += [(k, c0 * k.nb[1], 0, 1, n * k.nb[1]) for c0, n in runs]
             if v is None:
                 continue
             elt = v.type.size
-            out += [(v, (ch * self.size + c0) * elt, n * elt) for ch in range(self.n_embd_v[il]) for c0, n in runs]
+            out += [(v, c0 * elt, self.size * elt, self.n_embd_v[il], n * elt) for c0, n in runs]
         return out
 
     def read_span(self, t: mg.Tensor, offs: int, n: int) -> np.ndarray:

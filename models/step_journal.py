@@ -13,8 +13,10 @@ does that at a cost that grows with mem_size and n_rs_seq; the journal instead c
 
 A hybrid memory (models/hybrid_memory.py) names byte spans (`byte_spans_written_by`): the
 recurrent rows as above, plus the K rows of the ubatch's KV cells and, in the transposed V, those
-cells in every channel row; its metadata copy holds both memories' cells. `spans_written_by`
-gives either memory's set as byte spans, the one form the journal (and the tests) use.
+cells in every channel row; its metadata copy holds both memories' cells. `runs_written_by`
+gives either memory's set as strided runs of equal spans (a hybrid names those itself: one run per
+layer and cell run covers V's channel rows), the one form the journal (and the tests) use;
+`spans_written_by` the same bytes as plain spans.
 
 Rows the graph reads in place are not copied at all. When every sequence of the ubatch stays in
 its own cell and nothing else moves (`RecurrentMemory.reads_rows_in_place`: a plain decode step,
@@ -53,6 +55,21 @@ def spans_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int]]:
         return memory.byte_spans_written_by(ub)
     rows = memory.rows_written_by(ub)
     return [(t, row0 * t.nb[1], count * t.nb[1]) for t in memory.tensors() for row0, count in rows]
+
+
+def runs_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int, int, int]]:
+    """The same bytes as spans_written_by, as (tensor, byte offset, stride, count, nbytes) runs
+    (strided_runs): what the journal copies. A memory that names its runs itself
+    (byte_runs_written_by: a hybrid's transposed V, one strided run per layer and cell run) skips
+    building and regrouping thousands of small spans; tests spy on this function."""
+    if hasattr(memory, "byte_runs_written_by"):
+        return memory.byte_runs_written_by(ub)
+    return strided_runs(spans_written_by(memory, ub))
+
+
+def run_spans(runs) -> list[tuple[object, int, int]]:
+    """runs (runs_written_by) as (tensor, byte offset, nbytes) spans."""
+    return [(t, offs + i * stride, n) for t, offs, stride, count, n in runs for i in range(count)]
 
 
 def read_span(memory, t, offs: int, n: int) -> np.ndarray:
@@ -99,7 +116,7 @@ class StepJournal:
         self.nbytes = 0                                           # state bytes copied so far
         self.witnessed = 0                                        # state bytes left to graph gathers
         self._arena_offs = 0                                      # bytes of the arena this step used
-        self._deferred: list = []  # (cache tensor, byte offset, nbytes) of this ubatch, for bind
+        self._deferred: list = []  # runs (runs_written_by) of this ubatch's r/s rows, for bind
         self._held: list = []      # (cache tensor, byte offset, gathered host bytes) bound to a graph
         self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), np.uint8)
 
@@ -120,14 +137,14 @@ class StepJournal:
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
         one short span per channel row) are copied as one strided block, not one by one."""
         self._settle()               # the last graph's gathers are about to be overwritten
-        spans = spans_written_by(self.memory, ub)
+        runs = runs_written_by(self.memory, ub)
         rec = getattr(self.memory, "recurrent", self.memory)
         if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
             # the graph's gathers will hold these rows' old bytes: bind() decides, per tensor
             mine = set(rec.tensors())
-            self._deferred = [sp for sp in spans if sp[0] in mine]
-            spans = [sp for sp in spans if sp[0] not in mine]
-        self._save(spans)
+            self._deferred = [r for r in runs if r[0] in mine]
+            runs = [r for r in runs if r[0] not in mine]
+        self._save(runs)
 
     def bind(self, res):
         """The graph of the ubatch just passed to before_ubatch, allocated and about to compute:
@@ -136,11 +153,12 @@ class StepJournal:
         the rest is copied now, before anything is written."""
         deferred, self._deferred = self._deferred, []
         rest = []
-        for t, offs, n in deferred:
+        for run in deferred:
+            t, offs, _, count, n = run
             g = res.witnesses.get(t)
             host = _host_bytes(g) if g is not None else None
-            if host is None or g.nbytes() != n or n < STAMP_BYTES or not g.is_contiguous():
-                rest.append((t, offs, n))
+            if host is None or count != 1 or g.nbytes() != n or n < STAMP_BYTES or not g.is_contiguous():
+                rest.append(run)
                 continue
             mem, base = host
             held = mem[base:base + n]
@@ -169,9 +187,9 @@ class StepJournal:
                 self.nbytes += data.size
                 self.witnessed -= data.size
 
-    def _save(self, spans):
+    def _save(self, runs):
         copies = {}                  # backend -> ([(arena rows, cache rows)], the spans they save)
-        for t, offs, stride, count, n in strided_runs(spans):
+        for t, offs, stride, count, n in runs:
             host = _host_bytes(t)
             if host is not None:
                 mem, base = host

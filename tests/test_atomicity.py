@@ -99,12 +99,13 @@ class ComputeFails:
     def __init__(self, monkeypatch, runner, fail_at=0, exc=Injected):
         self.calls, self.fail_at, self.exc, self.runner = 0, fail_at, exc, runner
         self.last_spans = None
-        real_spans = step_journal.spans_written_by
+        real_runs = step_journal.runs_written_by
 
-        def spy_spans(memory, ub):
-            self.last_spans = real_spans(memory, ub)
-            return self.last_spans
-        monkeypatch.setattr(step_journal, "spans_written_by", spy_spans)
+        def spy_runs(memory, ub):
+            runs = real_runs(memory, ub)
+            self.last_spans = step_journal.run_spans(runs)
+            return runs
+        monkeypatch.setattr(step_journal, "runs_written_by", spy_runs)
         real = mg.Scheduler.graph_compute
         hook = self
 
@@ -421,13 +422,13 @@ SCRIPT = [{0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10], 2: [11, 12]},    # prefill: 
 def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, device):
     """The journal's span set is not a guess: across prefills, decodes, a pending rollback, cells
     spread over the range (tail copies) and a new sequence, every byte a real step changes (r/s
-    rows, and a hybrid's K rows and transposed V cells) lies in a span spans_written_by named for
+    rows, and a hybrid's K rows and transposed V cells) lies in a span runs_written_by named for
     that step's ubatches."""
     r = make_runner(name, device, n_rs_seq=2, n_ubatch=64)
     named = []
-    real_spans = step_journal.spans_written_by
-    monkeypatch.setattr(step_journal, "spans_written_by",
-                        lambda mem, ub: named.extend(real_spans(mem, ub)) or real_spans(mem, ub))
+    real_runs = step_journal.runs_written_by
+    monkeypatch.setattr(step_journal, "runs_written_by",
+                        lambda mem, ub: named.extend(step_journal.run_spans(real_runs(mem, ub))) or real_runs(mem, ub))
     rec = getattr(r.memory, "recurrent", r.memory)
     n_range_wider_than_ubatch = 0
     for step in SCRIPT:
