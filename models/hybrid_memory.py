@@ -22,7 +22,7 @@ import numpy as np
 
 from .batch import Ubatch
 from .kv_cache import KVCache
-from .memory import RecurrentMemory, StateFileError
+from .memory import RecurrentMemory, StateFileError, run_spans
 
 HYBRID_STATE_MAGIC = b"MGHY"
 
@@ -167,16 +167,14 @@ class HybridMemory:
 
     def byte_spans_written_by(self, ub: Ubatch) -> list:
         """(tensor, byte offset, nbytes) the graph of ub may write, in both memories."""
-        return self._recurrent_spans(ub) + self.kv.byte_spans_written_by(ub)
+        return run_spans(self.byte_runs_written_by(ub))
 
     def byte_runs_written_by(self, ub: Ubatch) -> list:
-        """The same as (tensor, byte offset, stride, count, nbytes) runs (the KV cache's V as
-        strided runs)."""
-        return [(t, offs, 0, 1, n) for t, offs, n in self._recurrent_spans(ub)] + self.kv.byte_runs_written_by(ub)
-
-    def _recurrent_spans(self, ub: Ubatch) -> list:
+        """The same as (tensor, byte offset, stride, count, nbytes) runs: one per recurrent row
+        range and tensor, and the KV cache's (its V as strided runs)."""
         rec = self.recurrent
-        return [(t, row0 * t.nb[1], count * t.nb[1]) for row0, count in rec.rows_written_by(ub) for t in rec.tensors()]
+        return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub)
+                for t in rec.tensors()] + self.kv.byte_runs_written_by(ub)
 
     def read_span(self, t, offs: int, n: int) -> np.ndarray:
         return self.kv.read_span(t, offs, n)       # the same raw byte access for every tensor

@@ -29,7 +29,7 @@ import minigraph as mg
 from .layer_caches import alloc_zeroed, check_layers, layer_devices, per_layer
 
 from .batch import Ubatch
-from .memory import StateFileError, coalesce_rows
+from .memory import StateFileError, coalesce_rows, run_spans
 
 __all__ = ["KVCells", "KVCache", "KVSnapshot", "GGML_KQ_MASK_PAD", "pad_to"]
 
@@ -357,15 +357,14 @@ class KVCache:
     def byte_spans_written_by(self, ub: Ubatch) -> list[tuple[mg.Tensor, int, int]]:
         """(tensor, byte offset, nbytes) of everything the graph of `ub` (just placed) may write:
         the K rows of its cells, and in the transposed V the same cells of every channel row."""
-        return [(t, offs + i * stride, n) for t, offs, stride, count, n in self.byte_runs_written_by(ub)
-                for i in range(count)]
+        return run_spans(self.byte_runs_written_by(ub))
 
     def byte_runs_written_by(self, ub: Ubatch) -> list[tuple[mg.Tensor, int, int, int, int]]:
         """The same bytes as (tensor, byte offset, stride, count, nbytes) runs: per run of cells,
         one span of K rows, and one strided run over V's channel rows (kv_size cells apart), so
         that the undo journal does not handle n_embd_v spans one by one per layer."""
         if self.ubatch is not ub:
-            raise ValueError("kv byte_spans_written_by: the ubatch was not the last one placed "
+            raise ValueError("kv byte_runs_written_by: the ubatch was not the last one placed "
                              "(rule: call it right after a successful find_slot)")
         runs = coalesce_rows((c, 1) for c in self.idxs)
         out = []

@@ -75,6 +75,12 @@ def coalesce_rows(spans) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def run_spans(runs) -> list[tuple[object, int, int]]:
+    """(tensor, byte offset, stride, count, nbytes) runs of equal spans as plain
+    (tensor, byte offset, nbytes) spans, one per span of each run."""
+    return [(t, offs + i * stride, n) for t, offs, stride, count, n in runs for i in range(count)]
+
+
 class RecurrentMemory:
     """llama_memory_recurrent for the given recurrent layers.
 
@@ -670,10 +676,8 @@ class RecurrentMemory:
             cell = self.cells[cid]
             if cell.src0 != cid:
                 return False
-            if self.n_rs_seq and cell.seq_id:              # s_copy's plane, without consuming it
-                seq = min(cell.seq_id)
-                if 0 <= seq < self.n_seq_max and self.rs_idx[seq]:
-                    return False
+            if self.n_rs_seq and cell.seq_id and self.pending_rollback(min(cell.seq_id)):
+                return False                               # s_copy would read another plane
         return True
 
     def read_row_bytes(self, t: mg.Tensor, row0: int, count: int) -> np.ndarray:

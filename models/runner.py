@@ -212,7 +212,7 @@ class Runner:
             self._journal = None
             self.stats.steps += 1
             self.stats.snapshot_bytes += journal.nbytes
-            self.stats.witnessed_bytes += getattr(journal, "witnessed", 0)
+            self.stats.witnessed_bytes += journal.witnessed
 
     def process_ubatch(self, ub) -> np.ndarray:
         """Run one ubatch; returns the logits of its output tokens (ub.output) [n_outputs, n_vocab]

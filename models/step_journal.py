@@ -67,11 +67,6 @@ def runs_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int, int, int
     return strided_runs(spans_written_by(memory, ub))
 
 
-def run_spans(runs) -> list[tuple[object, int, int]]:
-    """runs (runs_written_by) as (tensor, byte offset, nbytes) spans."""
-    return [(t, offs + i * stride, n) for t, offs, stride, count, n in runs for i in range(count)]
-
-
 def read_span(memory, t, offs: int, n: int) -> np.ndarray:
     """Raw bytes [offs, offs+n) of a cache tensor of either memory."""
     if hasattr(memory, "read_span"):
@@ -253,6 +248,8 @@ def _strided(mem: np.ndarray, start: int, stride: int, count: int, n: int) -> np
 
 class FullCopyJournal:
     """The whole cache copied when the step starts: the cost grows with mem_size * K."""
+
+    witnessed = 0                               # nothing is left to the graphs' gathers
 
     def __init__(self, memory: RecurrentMemory, defer: bool = True):
         self.memory = memory

@@ -22,7 +22,7 @@ from minigraph.models import step_journal
 from minigraph.models.batch import Ubatch
 from minigraph.models.graph import GraphInput
 from minigraph.models.kv_cache import KVCells
-from minigraph.models.memory import coalesce_rows
+from minigraph.models.memory import coalesce_rows, run_spans
 from minigraph.models.runner import DecodeError, Runner, atomic_mode
 from minigraph.models.zoo import make_model, recurrent_only
 
@@ -103,7 +103,7 @@ class ComputeFails:
 
         def spy_runs(memory, ub):
             runs = real_runs(memory, ub)
-            self.last_spans = step_journal.run_spans(runs)
+            self.last_spans = run_spans(runs)
             return runs
         monkeypatch.setattr(step_journal, "runs_written_by", spy_runs)
         real = mg.Scheduler.graph_compute
@@ -126,6 +126,19 @@ class ComputeFails:
             step_journal.write_span(mem, t, offs, rng.integers(0, 256, n, dtype=np.uint8))
 
 
+class MaybeBadIndex(GraphInput):
+    """An I32 input of one index: 10_000 (out of range for any tensor here) when fail() says so."""
+
+    def __init__(self, ids, fail):
+        self.ids, self.fail = ids, fail
+
+    def set_input(self, ubatch):
+        self.ids.set(np.array([10_000 if self.fail() else 0], np.int32))
+
+    def can_reuse(self, params):
+        return True
+
+
 def fail_at_graph_end(model, fail):
     """model.build plus a get_rows of the logits after everything else: index 10_000 (out of
     range, caught by the kernel's index check) when fail() says so, else 0."""
@@ -134,14 +147,7 @@ def fail_at_graph_end(model, fail):
     def build_with_bad_index(g):
         out = build(g)
         ids = g.ctx0.new_tensor_1d(mg.i32, 1).set_name("maybe_bad_ids").set_input()
-
-        class MaybeBad(GraphInput):
-            def set_input(self, ubatch):
-                ids.set(np.array([10_000 if fail() else 0], np.int32))
-
-            def can_reuse(self, params):
-                return True
-        g.res.inputs.append(MaybeBad())
+        g.res.inputs.append(MaybeBadIndex(ids, fail))
         g.gf.build_forward_expand(mg.get_rows(out["logits"], ids).set_output())
         return out
     model.build = build_with_bad_index
@@ -256,19 +262,6 @@ def test_index_error_after_the_state_writes_is_undone(name, device):
             assert_same_memory(after, before)
         else:
             assert after[1] != before[1] and after[0] != before[0]
-
-
-class MaybeBadIndex(GraphInput):
-    """An I32 input of one index: 10_000 (out of range for any tensor here) when fail() says so."""
-
-    def __init__(self, ids, fail):
-        self.ids, self.fail = ids, fail
-
-    def set_input(self, ubatch):
-        self.ids.set(np.array([10_000 if self.fail() else 0], np.int32))
-
-    def can_reuse(self, params):
-        return True
 
 
 def fail_between_layers(model, fail):
@@ -428,7 +421,7 @@ def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, dev
     named = []
     real_runs = step_journal.runs_written_by
     monkeypatch.setattr(step_journal, "runs_written_by",
-                        lambda mem, ub: named.extend(step_journal.run_spans(real_runs(mem, ub))) or real_runs(mem, ub))
+                        lambda mem, ub: named.extend(run_spans(real_runs(mem, ub))) or real_runs(mem, ub))
     rec = getattr(r.memory, "recurrent", r.memory)
     n_range_wider_than_ubatch = 0
     for step in SCRIPT:
