@@ -176,6 +176,14 @@ class Tensor:
         self.flags.add("whole_graph")
         return self
 
+    def set_side_copy(self) -> "Tensor":
+        """A whole-graph output that no node reads during the compute (a copy kept for the host,
+        such as the undo journal's copy of rows a later node overwrites): a backend may write it
+        around the caches (streaming stores), leaving them to the data the next nodes read."""
+        self.set_whole_graph()
+        self.flags.add("side_copy")
+        return self
+
     def set_weight(self) -> "Tensor":
         self.flags.add("weight")
         return self

@@ -64,6 +64,9 @@ class GraphParams:
     n_rs_seq: int
     slot_order: str
     n_outputs: int
+    # copies of the cache rows a node reads and overwrites in place, made just before it, for the
+    # undo journal (build_rs); on when the runner's journal takes them (failure atomicity "rows")
+    side_copies: bool = False
 
     def allow_reuse(self, other: "GraphParams") -> ReuseVerdict:
         """llama.cpp's allow_reuse: same ubatch shape, same unique seq ids (equal splits),
@@ -78,7 +81,8 @@ class GraphParams:
             return ReuseVerdict(f"ubatch sequences: {list(a.seq_id_unq)} -> {list(b.seq_id_unq)}")
         for rule, old, new in (("outputs", self.n_outputs, other.n_outputs), ("params (arch)", self.arch, other.arch),
                                ("params (n_rs_seq)", self.n_rs_seq, other.n_rs_seq),
-                               ("params (slot order)", self.slot_order, other.slot_order)):
+                               ("params (slot order)", self.slot_order, other.slot_order),
+                               ("params (side copies)", self.side_copies, other.side_copies)):
             v = _differs(rule, old, new)
             if not v:
                 return v
@@ -278,6 +282,14 @@ class GraphContext:
         z = inp.rs_z
         zero = mg.view_1d(states, state_size * (z >= 0), z * states.nb[1] * (z >= 0))
         gf.build_forward_expand(mg.scale_inplace(zero, 0.0))
+        if get_state_rows is not None and self.params.side_copies and s.view_src is None:
+            # the reader reads the rows in place and the graph then overwrites them (mamba2's
+            # ssm_scan): a copy of them, made just before the reader, is the undo journal's copy
+            # (instead of one the journal makes before the compute), and the reader then finds
+            # the rows in the cache rather than in memory
+            copy = mg.get_rows(states, inp.s_copy_main).set_side_copy()
+            gf.build_forward_expand(copy)
+            self.res.witnesses[s] = copy
         fn = get_state_rows or (lambda ctx, st, ids: mg.get_rows(st, ids))
         out = fn(self.ctx0, states, inp.s_copy_main)
         if get_state_rows is None and s.view_src is None and out.type == s.type:

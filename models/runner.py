@@ -260,7 +260,16 @@ class Runner:
         return logits
 
     def _params(self, ub) -> GraphParams:
-        return GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, len(output_rows(ub)))
+        return GraphParams(self.model.arch, ub, self.memory, self.n_rs_seq, self.slot_order, len(output_rows(ub)),
+                           side_copies=self._side_copies(ub))
+
+    def _side_copies(self, ub) -> bool:
+        """Whether the graph of ub copies the rows a node reads and overwrites in place itself, just
+        before that node (build_rs): when this runner's journal takes those copies (failure
+        atomicity "rows", no validator), for decode-shaped ubatches (one token per sequence), the
+        steps whose sequences stay in their cells. A longer ubatch's journal is a small part of its
+        step, and its graph would hold the copies in memory of their own."""
+        return self.atomic == "rows" and not self.validate and ub.n_seq_tokens == 1
 
     @staticmethod
     def _read_logits(res: GraphResult, ub) -> np.ndarray:

@@ -87,6 +87,8 @@ def write_span(memory, t, offs: int, data: np.ndarray):
 # which cost as much as the copy itself. A step's spans are views into it; the next step of the
 # same memory (steps never overlap: nested ones join the outer journal) reuses it.
 _ARENAS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+ARENA_KEEP_BYTES = 4 << 20   # an arena up to this size is kept whatever a step needs ...
+ARENA_SLACK = 8              # ... a bigger one only while a step needs at least 1/8 of it
 STAMP_BYTES = 32   # random bytes written over a bound gather's start: still there on undo = it never ran
 
 
@@ -127,6 +129,15 @@ class StepJournal:
         self._arena_offs += need
         return out
 
+    def _fit_arena(self, need: int):
+        """Drop this memory's arena when the step starting now needs far less than it holds (a
+        prompt's step saved every row of new sequences; the decode steps after it leave their rows
+        to the graphs' copies): its pages would otherwise stay resident beside the decode graph's
+        own copies of the same rows. It is made again, at the size a step asks, when one does."""
+        arena = _ARENAS.get(self.memory)
+        if arena is not None and arena.size > max(ARENA_KEEP_BYTES, ARENA_SLACK * need):
+            del _ARENAS[self.memory]
+
     def before_ubatch(self, ub: Ubatch):
         """Save the spans the graph of `ub` (just placed by find_slot) may write. On the host,
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
@@ -139,6 +150,8 @@ class StepJournal:
             mine = set(rec.tensors())
             self._deferred = [r for r in runs if r[0] in mine]
             runs = [r for r in runs if r[0] not in mine]
+        if self._arena_offs == 0 and not self.spans:      # the step's first ubatch
+            self._fit_arena(sum(count * n for *_, count, n in runs))
         self._save(runs)
 
     def bind(self, res):

@@ -266,6 +266,17 @@ class CpuBackend(HostBackend):
         return code, b.ne, (row // max(1, b.ne[0] // blck) if b.ne[0] else row, row, row * b.ne[1],
                             row * b.ne[1] * b.ne[2])
 
+    @staticmethod
+    def _kernel_name(node) -> str:
+        """The kernel a node's record runs: its op's, or for a side copy (Tensor.set_side_copy)
+        gathered from rows of its own type, GET_ROWS:side_copy (index.c: the same bytes, split by
+        bytes rather than rows and written with streaming stores)."""
+        if node.op == "GET_ROWS" and "side_copy" in node.flags:
+            a = srcs_of(node)["a"]
+            if a.type == node.type and a.nb[0] == a.type.size and not a.type.is_quantized and node.is_contiguous():
+                return "GET_ROWS:side_copy"
+        return node.op
+
     def build_plan(self, nodes) -> CpuPlan:
         """Translate ``nodes`` into C node records (once per node list and memory binding).
 
@@ -304,7 +315,7 @@ class CpuBackend(HostBackend):
                 i += 1
             rec = records[i]
             i += 1
-            rec.op = self.op_code(node.op)
+            rec.op = self.op_code(self._kernel_name(node))
             self._fill(rec.dst, node)
             roots[node.root().id] = node.root()
             rec.n_src = len(names)

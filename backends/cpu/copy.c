@@ -263,7 +263,7 @@ MG_KERNEL(REPEAT, mg_k_repeat, NULL)
  * the rest as streaming stores, which write whole lines without reading them first (a plain
  * copy reads each destination line before writing it: half again the traffic) and leave the
  * caches to the data the next graph reads. */
-static void copy_streaming(char *dst, const char *src, int64_t n) {
+void mg_copy_streaming(char *dst, const char *src, int64_t n) {
 #if defined(__AVX512F__) || defined(__AVX2__)
     const int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);
     if (n < head + 256) { memcpy(dst, src, (size_t)n); return; }
@@ -298,7 +298,7 @@ static void mg_k_save_rows(const mg_node *nd, int ith, int nth) {
     const int64_t end = mg_min64(u1 * 4096, total);
     while (b < end) {
         const int64_t r = b / n, off = b % n, len = mg_min64(n - off, end - b);
-        copy_streaming(dst + b, src + r * stride + off, len);
+        mg_copy_streaming(dst + b, src + r * stride + off, len);
         b += len;
     }
 #if defined(__AVX512F__) || defined(__AVX2__)

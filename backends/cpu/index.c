@@ -1,6 +1,9 @@
 /* Index ops: GET_ROWS, SET_ROWS (write-through into the destination), ARANGE.
  * Every index is checked (mg_check_*) before the node writes anything. */
 #include "mg.h"
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline int64_t load_index(const char *p, int type) {
     if (type == MG_I64) { int64_t v; memcpy(&v, p, 8); return v; }
@@ -102,5 +105,39 @@ void mg_k_arange(const mg_node *n, int ith, int nth) {
 }
 
 MG_KERNEL(GET_ROWS, mg_k_get_rows, mg_check_get_rows)
+
+/* GET_ROWS:side_copy, GET_ROWS for a gather whose output nobody reads during the compute (the
+ * undo journal's copy of cache rows that a later node reads and overwrites in place, made just
+ * before that node: models/graph.py build_rs). The same bytes as GET_ROWS, for rows of one type
+ * with dense rows (the backend checks): the chunks split the output's bytes in 4 KiB units, not
+ * its rows (a decode step gathers one row of hundreds of KiB per sequence), and the output goes
+ * out as streaming stores, which neither read the destination lines first nor evict the source
+ * rows, which the reader that follows then finds in the cache. */
+void mg_k_get_rows_side_copy(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    const mg_tensor *b = &n->src[1];
+    const mg_tensor *d = &n->dst;
+    const int64_t row = d->nb[1], total = mg_nrows(d) * row;   /* dst is contiguous */
+    int64_t u0, u1;
+    mg_split((total + 4095) / 4096, ith, nth, &u0, &u1);
+    int64_t pos = u0 * 4096;
+    const int64_t end = mg_min64(u1 * 4096, total);
+    while (pos < end) {
+        const int64_t r = pos / row, off = pos % row, len = mg_min64(row - off, end - pos);
+        int64_t i, j, k;
+        mg_row_coords(d, r, &i, &j, &k);
+        const int64_t src_row = load_index(mg_ptr(b, i, j, k, 0), b->type);
+        mg_copy_streaming(d->data + pos, mg_ptr(a, 0, src_row, j, k) + off, len);
+        pos += len;
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_sfence();   /* the streamed lines are visible before anyone reads them */
+#endif
+}
+
+__attribute__((constructor)) static void mg_register_get_rows_side_copy(void) {
+    mg_register_kernel("GET_ROWS:side_copy", mg_k_get_rows_side_copy, mg_check_get_rows);
+}
+
 MG_KERNEL(SET_ROWS, mg_k_set_rows, mg_check_set_rows)
 MG_KERNEL(ARANGE, mg_k_arange, NULL)

@@ -167,6 +167,8 @@ void mg_exp_row(const float *s, float *d, int64_t n);
 float mg_exp(float x);
 
 /* convert (or copy) n elements between strided rows; dst/src strides in bytes */
+/* n bytes, the whole lines of dst as streaming stores (copy.c) */
+void mg_copy_streaming(char *dst, const char *src, int64_t n);
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
 
 #endif
