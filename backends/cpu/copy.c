@@ -283,27 +283,37 @@ void mg_copy_streaming(char *dst, const char *src, int64_t n) {
 #endif
 }
 
-/* CPY:save_rows, the undo journal's copy as one plan record, so that the executor's threads share
- * it (a decode step's journal is tens of MB, bound by memory bandwidth, which two cores have more
- * of than one): dst.data the dense destination, src[0].data the first row, ip = {source stride,
- * rows, bytes per row}. The chunks split the destination's bytes in 4 KiB units. */
-static void mg_k_save_rows(const mg_node *nd, int ith, int nth) {
-    char *dst = nd->dst.data;
-    const char *src = nd->src[0].data;
-    const int64_t stride = nd->ip[0], count = nd->ip[1], n = nd->ip[2];
-    const int64_t total = count * n;
+/* rows dense rows of row_bytes into dst, row r read from src(ctx, r), as chunk ith of nth: the
+ * chunks split dst's bytes in 4 KiB units (a copy of a few rows of hundreds of KiB still splits),
+ * each unit written with streaming stores */
+void mg_copy_rows_streaming(char *dst, int64_t rows, int64_t row_bytes, mg_row_source src, const void *ctx,
+                            int ith, int nth) {
+    const int64_t total = rows * row_bytes;
     int64_t u0, u1;
     mg_split((total + 4095) / 4096, ith, nth, &u0, &u1);
     int64_t b = u0 * 4096;
     const int64_t end = mg_min64(u1 * 4096, total);
     while (b < end) {
-        const int64_t r = b / n, off = b % n, len = mg_min64(n - off, end - b);
-        mg_copy_streaming(dst + b, src + r * stride + off, len);
+        const int64_t r = b / row_bytes, off = b % row_bytes, len = mg_min64(row_bytes - off, end - b);
+        mg_copy_streaming(dst + b, src(ctx, r) + off, len);
         b += len;
     }
 #if defined(__AVX512F__) || defined(__AVX2__)
-    _mm_sfence();   /* the streamed lines are visible before anyone reads the journal */
+    _mm_sfence();   /* the streamed lines are visible before anyone reads them */
 #endif
+}
+
+/* CPY:save_rows, the undo journal's copy as one plan record, so that the executor's threads share
+ * it (a decode step's journal is tens of MB, bound by memory bandwidth, which two cores have more
+ * of than one): dst.data the dense destination, src[0].data the first row, ip = {source stride,
+ * rows, bytes per row}. */
+static const char *strided_row(const void *ctx, int64_t r) {
+    const mg_node *nd = ctx;
+    return nd->src[0].data + r * nd->ip[0];
+}
+
+static void mg_k_save_rows(const mg_node *nd, int ith, int nth) {
+    mg_copy_rows_streaming(nd->dst.data, nd->ip[1], nd->ip[2], strided_row, nd, ith, nth);
 }
 
 __attribute__((constructor)) static void mg_register_save_rows(void) {

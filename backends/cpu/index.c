@@ -1,9 +1,6 @@
 /* Index ops: GET_ROWS, SET_ROWS (write-through into the destination), ARANGE.
  * Every index is checked (mg_check_*) before the node writes anything. */
 #include "mg.h"
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 static inline int64_t load_index(const char *p, int type) {
     if (type == MG_I64) { int64_t v; memcpy(&v, p, 8); return v; }
@@ -113,26 +110,15 @@ MG_KERNEL(GET_ROWS, mg_k_get_rows, mg_check_get_rows)
  * its rows (a decode step gathers one row of hundreds of KiB per sequence), and the output goes
  * out as streaming stores, which neither read the destination lines first nor evict the source
  * rows, which the reader that follows then finds in the cache. */
-void mg_k_get_rows_side_copy(const mg_node *n, int ith, int nth) {
-    const mg_tensor *a = &n->src[0];
-    const mg_tensor *b = &n->src[1];
-    const mg_tensor *d = &n->dst;
-    const int64_t row = d->nb[1], total = mg_nrows(d) * row;   /* dst is contiguous */
-    int64_t u0, u1;
-    mg_split((total + 4095) / 4096, ith, nth, &u0, &u1);
-    int64_t pos = u0 * 4096;
-    const int64_t end = mg_min64(u1 * 4096, total);
-    while (pos < end) {
-        const int64_t r = pos / row, off = pos % row, len = mg_min64(row - off, end - pos);
-        int64_t i, j, k;
-        mg_row_coords(d, r, &i, &j, &k);
-        const int64_t src_row = load_index(mg_ptr(b, i, j, k, 0), b->type);
-        mg_copy_streaming(d->data + pos, mg_ptr(a, 0, src_row, j, k) + off, len);
-        pos += len;
-    }
-#if defined(__AVX512F__) || defined(__AVX2__)
-    _mm_sfence();   /* the streamed lines are visible before anyone reads them */
-#endif
+static const char *indexed_row(const void *ctx, int64_t r) {
+    const mg_node *n = ctx;
+    int64_t i, j, k;
+    mg_row_coords(&n->dst, r, &i, &j, &k);
+    return mg_ptr(&n->src[0], 0, load_index(mg_ptr(&n->src[1], i, j, k, 0), n->src[1].type), j, k);
+}
+
+void mg_k_get_rows_side_copy(const mg_node *n, int ith, int nth) {   /* dst is contiguous */
+    mg_copy_rows_streaming(n->dst.data, mg_nrows(&n->dst), n->dst.nb[1], indexed_row, n, ith, nth);
 }
 
 __attribute__((constructor)) static void mg_register_get_rows_side_copy(void) {

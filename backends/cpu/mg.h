@@ -169,6 +169,11 @@ float mg_exp(float x);
 /* convert (or copy) n elements between strided rows; dst/src strides in bytes */
 /* n bytes, the whole lines of dst as streaming stores (copy.c) */
 void mg_copy_streaming(char *dst, const char *src, int64_t n);
+/* a dense copy of rows from wherever src(ctx, r) says row r is, split by bytes between chunks and
+ * written with streaming stores (copy.c) */
+typedef const char *(*mg_row_source)(const void *ctx, int64_t r);
+void mg_copy_rows_streaming(char *dst, int64_t rows, int64_t row_bytes, mg_row_source src, const void *ctx,
+                            int ith, int nth);
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
 
 #endif
