@@ -166,9 +166,17 @@ static inline __attribute__((always_inline)) void tile_store(const char *ap, int
  * standalone C loop and /tmp scripts against ggml and NumPy in one run): 3352 x 768 by one
  * column 16-20 GB/s in step, 22-29 GB/s a row at a time (ggml 21-25, OpenBLAS 22-26); by 4
  * columns 23 ms -> 12-16 ms for 24 such weights; 2048-float rows 22 -> 24-26 GB/s; 4096-float
- * rows 23-24 GB/s in step, 15-16 a row at a time. */
+ * rows 23-24 GB/s in step, 15-16 a row at a time. An AVX2 core (Zen 3, 8 lanes: twice the fma
+ * steps per row, so a lone row's chain is twice as long) measured the other way: 24 layers of a
+ * 3352 x 768 and a 768 x 1536 weight and a 32000 x 768 head by one column, read cold, against
+ * ggml in one run (/tmp scripts), 1 thread: ggml/minigraph 0.96-1.11 a row at a time, 1.08-1.24
+ * in step (three runs each). So AVX-512 builds read short rows one at a time, AVX2 builds in step. */
 #ifndef MV_ROW_MAX
+#if defined(__AVX512F__)
 #define MV_ROW_MAX 2048
+#else
+#define MV_ROW_MAX 0
+#endif
 #endif
 #define TILE_ARGS ap, lda, bp, ldb, dp, ldd
 #define ROWS_PARAMS const char *ap, int64_t lda, const char *bp, int64_t ldb, char *dp, int64_t ldd, \
@@ -198,6 +206,14 @@ static inline __attribute__((always_inline)) void tile_store(const char *ap, int
 DEFINE_ROWS(rows_c4, 4)
 DEFINE_ROWS(rows_c3, 3)
 DEFINE_ROWS(rows_c2, 2)
+
+/* exactly 4 columns with AVX2's 16 registers: 2 x 4 tiles over all of K (8 chains, 6 loads per
+ * 8 fmas, a read once); see direct_block */
+static void rows_2x4(ROWS_PARAMS) {
+    int64_t i = m0;
+    for (; i + 2 <= m1; i += 2) tile_store(TILE_ARGS, i, j, 2, 4, k0, k1);
+    if (i < m1) tile_store(TILE_ARGS, i, j, 1, 4, k0, k1);
+}
 
 /* a single column (matrix x vector): a short row at a time, as above; long rows 8 per tile */
 static void rows_c1(ROWS_PARAMS) {
@@ -490,6 +506,12 @@ static void direct_block(const mg_tensor *a, const mg_tensor *b, const mg_tensor
             for (int64_t i = m0; i < m1; i++) ((float *)(dp + j * ldd))[i] = 0.0f;
         return;
     }
+#if CG == 3
+    /* exactly 4 columns (a decode step of 4 sequences): 4 x 3 tiles and then a pass for the 4th
+     * column alone would run that pass as one fma chain per row, bound by the fma latency, not by
+     * memory; 2 x 4 tiles keep 8 chains in flight and read a once */
+    if (n1 - n0 == 4) { rows_2x4(TILE_ARGS, m0, m1, n0, 0, K); return; }
+#endif
     /* groups of CG columns: k blocks outermost, so the block of a (MB x KB floats) is reused
      * from cache by every column group; r goes through dst between blocks */
     const int64_t jg = n0 + (n1 - n0) / CG * CG;
