@@ -507,3 +507,23 @@ def test_atomic_off_copies_nothing_and_bad_modes_are_named():
 def test_coalesce_rows():
     assert coalesce_rows([(8, 2), (0, 4), (4, 2), (12, 0), (9, 3)]) == [(0, 6), (8, 4)]
     assert coalesce_rows([]) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_steps_drop_the_prompts_arena(monkeypatch, device):
+    """A prompt's step saves every row of its new sequences in the journal's arena; the decode
+    steps after it leave theirs to the graph's own copies, and the first of them drops the big
+    arena instead of keeping its pages beside those copies. A step that needs much again makes a
+    new one, and still undoes a failure."""
+    monkeypatch.setattr(step_journal, "ARENA_KEEP_BYTES", 1 << 10)
+    r = make_runner("mamba2", device, n_rs_seq=0, mem_size=2)
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    prompt_arena = step_journal._ARENAS[r.memory].size
+    assert prompt_arena >= 2 * sum(t.nb[1] for t in r.memory.tensors())
+    r.decode_seq_tokens({0: [7], 1: [8]})
+    assert step_journal._ARENAS.get(r.memory) is None or step_journal._ARENAS[r.memory].size < prompt_arena
+    before = whole_memory(r)
+    ComputeFails(monkeypatch, r, exc=KeyboardInterrupt)   # a prompt-sized step again, failing
+    with pytest.raises(KeyboardInterrupt):
+        r.decode_seq_tokens({0: [9, 10, 11], 1: [12, 13, 14]})
+    assert_same_memory(whole_memory(r), before)
