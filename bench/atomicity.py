@@ -16,8 +16,10 @@ The three runners of a mem_size alternate in rounds of `--steps` timed steps; th
 median over all timed steps, on the wall clock (`step ms`, `tokens/s`) and in this process's CPU
 time (`cpu ms`: user + system, all threads; steadier than the wall clock on a shared machine, and
 it includes the page faults of fresh snapshot buffers); `vs off` compares cpu ms. `snapshot KiB/step` is what the journal copied per step (the
-runner's `stats.snapshot_bytes`); `cache MiB` the size of the whole r/s cache. The last line is
-`full/rows snapshot bytes per step at mem_size M: R`.
+runner's `stats.snapshot_bytes`), `graph KiB/step` what the graphs' own copies held instead (their
+gathers of the states, mamba2's side copies of its SSM rows: `stats.witnessed_bytes`); `cache MiB`
+the size of the whole r/s cache. The last line is `full/rows saved bytes per step at mem_size M: R`
+(rows: both columns together).
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def make_model(args, be):
 
 
 def bench_mem_size(model, mem_size, args):
-    """{mode: (median step s, median step cpu s, snapshot bytes per step, cache bytes)}."""
+    """{mode: (median step s, median step cpu s, snapshot bytes per step, graph-held bytes per step,
+    cache bytes)}."""
     rng = np.random.default_rng(0)
     runners = {}
     for mode, atomic in MODES.items():
@@ -62,7 +65,7 @@ def bench_mem_size(model, mem_size, args):
         runners[mode] = r
     times = {mode: [] for mode in MODES}
     cpu = {mode: [] for mode in MODES}
-    bytes0 = {mode: (r.stats.snapshot_bytes, r.stats.steps) for mode, r in runners.items()}
+    bytes0 = {mode: (r.stats.snapshot_bytes, r.stats.witnessed_bytes, r.stats.steps) for mode, r in runners.items()}
     for _ in range(args.rounds):
         for mode, r in runners.items():
             for _ in range(args.steps):
@@ -73,9 +76,10 @@ def bench_mem_size(model, mem_size, args):
                 cpu[mode].append(time.process_time() - c0)
     out = {}
     for mode, r in runners.items():
-        b, n = r.stats.snapshot_bytes - bytes0[mode][0], r.stats.steps - bytes0[mode][1]
+        b0, w0, n0 = bytes0[mode]
+        b, w, n = r.stats.snapshot_bytes - b0, r.stats.witnessed_bytes - w0, max(r.stats.steps - n0, 1)
         cache = sum(t.nbytes() for t in r.memory.tensors())
-        out[mode] = (statistics.median(times[mode]), statistics.median(cpu[mode]), b / max(n, 1), cache)
+        out[mode] = (statistics.median(times[mode]), statistics.median(cpu[mode]), b / n, w / n, cache)
     return out
 
 
@@ -100,18 +104,19 @@ def main(argv=None):
              f"n_rs_seq {N_RS_SEQ}, decode {N_SEQS} seqs x 1 token/step, {args.rounds}x{args.steps} steps per "
              f"mode, cpu {args.threads} thread(s), {platform.machine()} {os.cpu_count()} cores, "
              f"load avg {os.getloadavg()[0]:.1f}",
-             f"{'mem_size':>8s} {'atomic':>6s} {'cache MiB':>10s} {'snapshot KiB/step':>18s} "
+             f"{'mem_size':>8s} {'atomic':>6s} {'cache MiB':>10s} {'snapshot KiB/step':>18s} {'graph KiB/step':>15s} "
              f"{'step ms':>8s} {'tokens/s':>9s} {'cpu ms':>8s} {'vs off':>7s}"]
     ratios = []
     for mem_size in [int(x) for x in args.mem_sizes.split(",")]:
         res = bench_mem_size(model, mem_size, args)
         c_off = res["off"][1]
-        for mode, (t, c, snap, cache) in res.items():
-            lines.append(f"{mem_size:8d} {mode:>6s} {cache / 2**20:10.1f} {snap / 2**10:18.1f} "
+        for mode, (t, c, snap, held, cache) in res.items():
+            lines.append(f"{mem_size:8d} {mode:>6s} {cache / 2**20:10.1f} {snap / 2**10:18.1f} {held / 2**10:15.1f} "
                          f"{t * 1e3:8.2f} {N_SEQS / t:9.1f} {c * 1e3:8.2f} {(c / c_off - 1) * 100:+6.1f}%")
-        ratios.append((mem_size, res["full"][2] / res["rows"][2] if res["rows"][2] else float("inf")))
+        saved_rows = res["rows"][2] + res["rows"][3]
+        ratios.append((mem_size, res["full"][2] / saved_rows if saved_rows else float("inf")))
     for mem_size, ratio in ratios:
-        lines.append(f"full/rows snapshot bytes per step at mem_size {mem_size}: {ratio:.1f}")
+        lines.append(f"full/rows saved bytes per step at mem_size {mem_size}: {ratio:.1f}")
     lines.append(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {os.getloadavg()[0]:.1f}")
     report = "\n".join(lines)
     print(report)
