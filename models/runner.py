@@ -266,9 +266,10 @@ class Runner:
     def _side_copies(self, ub) -> bool:
         """Whether the graph of ub copies the rows a node reads and overwrites in place itself, just
         before that node (build_rs): when this runner's journal takes those copies (failure
-        atomicity "rows", no validator), for decode-shaped ubatches (one token per sequence), the
-        steps whose sequences stay in their cells. A longer ubatch's journal is a small part of its
-        step, and its graph would hold the copies in memory of their own."""
+        atomicity "rows", no validator) and ub is decode-shaped (one token per sequence). The
+        journal uses them in the steps whose sequences stay in their cells (reads_rows_in_place)
+        and copies as before otherwise. A longer ubatch's journal is a small part of its step, and
+        its graph would hold the copies in memory of their own."""
         return self.atomic == "rows" and not self.validate and ub.n_seq_tokens == 1
 
     @staticmethod

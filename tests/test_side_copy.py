@@ -2,38 +2,34 @@
 compute) runs on the cpu backend as GET_ROWS:side_copy, split by bytes and written with streaming
 stores: every byte equals the NumPy reference's GET_ROWS, for rows that do and do not end on a
 4 KiB unit or a cache line, repeated indices and several planes, on 1 thread and on 2 with the copy
-split into every chunk it allows; a gather it cannot take (another output type, strided rows)
-stays plain GET_ROWS; a bad index is refused (the index check runs first)."""
+split into every chunk it allows; a gather it cannot take (another output type) stays plain
+GET_ROWS; a bad index is refused (the index check runs first)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.graph import Graph
 from minigraph.tensor import Context
-from minigraph.testing.op_cases import Built
+from minigraph.testing.op_cases import Built, run_built
 
 cpu = pytest.importorskip("minigraph.backends.cpu")
 if cpu.lib is None:  # pragma: no cover
     pytest.skip(f"cpu extension not built: {cpu._IMPORT_ERROR}", allow_module_level=True)
 
 
-def run(device, build, seed):
-    """(the gather's bytes, the kernels the cpu plan ran) for the graph build(b) on device."""
+def run(backend, build, seed):
+    """(the gather's bytes, the kernels the cpu plan ran) for the graph build(b, rng) on backend."""
     b = Built(Context())
-    out = build(b, np.random.default_rng(seed)).set_side_copy()
-    be = device if isinstance(device, mg.Backend) else mg.backend(device)
-    mg.alloc_ctx_tensors(b.ctx, be)
-    for t, arr in b.data.items():
-        t.set(arr)
-    gf = Graph().build_forward_expand(out)
-    be.graph_compute(gf)
+    b.out(build(b, np.random.default_rng(seed)).set_side_copy())
+    be = backend if isinstance(backend, mg.Backend) else mg.backend(backend)
+    graphs = []
+    out, = run_built(b, be, graph_hook=graphs.append)
     kernels = []
     if isinstance(be, cpu.CpuBackend):
-        plan = be.get_plan(gf.nodes, gf.cache)
+        plan = be.get_plan(graphs[0].nodes, graphs[0].cache)
         kernels = [cpu.ffi.string(cpu.lib.mg_op_name(plan.records[i].op)).decode() for i in range(plan.n)]
-    return out.numpy().tobytes(), kernels
+    return out.tobytes(), kernels
 
 
 def gather(ne0, n_rows, idx, planes=1, type=mg.f32, padded=False):

@@ -273,7 +273,7 @@ class CpuBackend(HostBackend):
         bytes rather than rows and written with streaming stores)."""
         if node.op == "GET_ROWS" and "side_copy" in node.flags:
             a = srcs_of(node)["a"]
-            if a.type == node.type and a.nb[0] == a.type.size and not a.type.is_quantized and node.is_contiguous():
+            if a.type == node.type and a.is_contiguous_rows():   # a byte copy of dense rows
                 return "GET_ROWS:side_copy"
         return node.op
 

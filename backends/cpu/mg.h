@@ -166,7 +166,6 @@ static inline int32_t mg_f_to_i32(double x) {
 void mg_exp_row(const float *s, float *d, int64_t n);
 float mg_exp(float x);
 
-/* convert (or copy) n elements between strided rows; dst/src strides in bytes */
 /* n bytes, the whole lines of dst as streaming stores (copy.c) */
 void mg_copy_streaming(char *dst, const char *src, int64_t n);
 /* a dense copy of rows from wherever src(ctx, r) says row r is, split by bytes between chunks and
@@ -174,6 +173,7 @@ void mg_copy_streaming(char *dst, const char *src, int64_t n);
 typedef const char *(*mg_row_source)(const void *ctx, int64_t r);
 void mg_copy_rows_streaming(char *dst, int64_t rows, int64_t row_bytes, mg_row_source src, const void *ctx,
                             int ith, int nth);
+/* convert (or copy) n elements between strided rows; dst/src strides in bytes */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
 
 #endif

@@ -117,10 +117,7 @@ void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost) {
     PAR_MIN_COST = par_min_cost < 0 ? PAR_MIN_COST_DEFAULT : par_min_cost;
     CHUNK_MIN_COST = chunk_min_cost < 0 ? CHUNK_MIN_COST_DEFAULT : chunk_min_cost;
 }
-#ifndef CHUNKS_PER_THREAD
-#define CHUNKS_PER_THREAD 4
-#endif
-        /* dynamic balance: a late thread leaves at most ~1/4 of its share */
+#define CHUNKS_PER_THREAD 4          /* dynamic balance: a late thread leaves at most ~1/4 of its share */
 #define MAX_CHUNKS 4096              /* fits the claim word's 15-bit count */
 #define MAX_THREADS 512
 
