@@ -19,7 +19,10 @@ own 1-thread time. The last lines are
 minigraph is timed through `backend.graph_compute(gf)` on a graph whose plan is cached (the
 Python entry cost included); ggml through `ggml_graph_compute` on a prebuilt graph and cplan with
 a persistent threadpool; NumPy as one idiomatic expression, its OpenBLAS limited to the row's T threads
-(when the setter is found; the table header says which).
+(when the setter is found; the table header says which). OpenBLAS's threads sleep as soon as a
+call ends (OPENBLAS_THREAD_TIMEOUT=4, set before NumPy loads, unless the environment sets it),
+as ggml's and minigraph's do within microseconds: left at its default, each spins for about a
+tenth of a second after every call and holds the second core while the next engine's row runs.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import statistics
 import sys
 import time
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")     # before NumPy loads OpenBLAS (see above)
+import numpy as np                                        # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -334,7 +338,8 @@ def numpy_threads(n: int) -> str:
     if SET_BLAS_THREADS is None:
         return "NumPy's BLAS threads: its own (no OpenBLAS setter found)"
     SET_BLAS_THREADS(n)
-    return "NumPy's BLAS threads: T (set per row)"
+    return (f"NumPy's BLAS threads: T (set per row), sleeping after each call "
+            f"(OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT')})")
 
 
 def bench_case(case, n_threads, reps, min_time):

@@ -198,8 +198,8 @@ def test_a_forked_child_starts_its_own_workers():
 def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(split_everything):
     """A worker that sleeps 20 ms in every chunk it claims: the caller detects the stall, finishes
     the run alone, keeps the next runs on its own thread for a while (backoff), and every result is
-    exact. (Skipped when the worker never takes a chunk: on a loaded machine it may only ever be
-    placed on the caller's CPU, where it stands aside.)"""
+    exact. (Skipped when the worker never takes a chunk: on a loaded machine it may not get a CPU
+    in time.)"""
     x = np.random.default_rng(4).standard_normal((8, 4096)).astype(np.float32)
     want = run_built_like(x, [3, 1, 4, 1])
     be = cpu.CpuBackend(370).set_n_threads(2)
@@ -210,7 +210,7 @@ def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(
     ids.set(np.array([3, 1, 4, 1], np.int32))
     gf = mg.Graph().build_forward_expand(out.set_output())
     be.graph_compute(gf)
-    st = cpu.ffi.new("int64_t[5]")
+    st = cpu.ffi.new("int64_t[6]")
     cpu.lib.mg_pool_stats(st)
     before = list(st)
     import time
@@ -225,7 +225,7 @@ def test_a_worker_descheduled_holding_a_chunk_is_a_stall_and_results_stay_exact(
                 break
     finally:
         cpu.lib.mg_debug_worker_delay(0)
-    parallel, serial, stalls, _, worker_chunks = (y - x for x, y in zip(before, st))
+    parallel, serial, stalls, _, worker_chunks, _ = (y - x for x, y in zip(before, st))
     if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
         pytest.skip("the worker took no chunk in 3 s")
     assert stalls >= 1 and serial >= 1, (parallel, serial, stalls)
@@ -238,7 +238,7 @@ def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(spli
     claims, the caller detects the stall and runs alone, and once the backoff (a few ms) is over
     the nodes left are published again and the worker, no longer delayed, takes chunks in the same
     run; the result stays exact. (Skipped when the worker takes no chunk: on a loaded machine it
-    may only ever be placed on the caller's CPU, where it stands aside.)"""
+    may not get a CPU in time.)"""
     import threading
     import time
     be1, be2 = cpu.CpuBackend(380).set_n_threads(1), cpu.CpuBackend(381).set_n_threads(2)
@@ -260,7 +260,7 @@ def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(spli
     be2.graph_compute(gf)                                 # the plan, built outside the timing
     for _ in range(10):                                   # a run with no stall first: no backoff left
         be2.graph_compute(gf)
-    st = cpu.ffi.new("int64_t[5]")
+    st = cpu.ffi.new("int64_t[6]")
     cpu.lib.mg_pool_stats(st)
     before = list(st)
     cpu.lib.mg_debug_worker_delay(20_000_000)
@@ -274,10 +274,53 @@ def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(spli
         stop.cancel()
         cpu.lib.mg_debug_worker_delay(0)
     cpu.lib.mg_pool_stats(st)
-    parallel, serial, stalls, _, worker_chunks = (y - x for x, y in zip(before, st))
+    parallel, serial, stalls, _, worker_chunks, _ = (y - x for x, y in zip(before, st))
     assert np.array_equal(out.numpy(), want)
     if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
         pytest.skip("the worker took no chunk")
     # the stall ended a segment and the rest was published again (two or more segments counted
     # as parallel runs), and the worker came back for more than its delayed chunks
     assert stalls >= 1 and parallel >= 2 and worker_chunks > 2, (parallel, serial, stalls, worker_chunks, wall)
+
+
+def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_everything):
+    """A futex wake puts a worker on the caller's CPU whenever the other CPU looks busy; the worker
+    then moves to another CPU it may use and runs its share, instead of leaving the run to the
+    caller. Simulated: the caller's thread pinned to one CPU, and each worker pinning itself to
+    that same CPU as it joins a run (a run of 1000 split nodes, long enough for the scheduler to
+    let the pinned worker in beside the caller). Results stay exact; the pool counts the moves."""
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:  # pragma: no cover - a one-CPU machine or cpuset
+        pytest.skip(f"this process may use only CPU {cpus}: there is nowhere to move")
+    x = np.random.default_rng(6).standard_normal((16, 4096)).astype(np.float32)
+    runs = []
+    for be in (cpu.CpuBackend(390).set_n_threads(1), cpu.CpuBackend(391).set_n_threads(2)):
+        ctx = Context()
+        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
+        h = a
+        for i in range(1000):
+            h = mg.scale(h, 1.0 + 1e-4 * (i % 5)) if i % 2 else mg.add(h, a)
+        mg.alloc_ctx_tensors(ctx, be)
+        a.set(x)
+        gf = mg.Graph().build_forward_expand(h.set_output())
+        be.graph_compute(gf)                              # 2 threads: the workers exist, free to use every CPU
+        runs.append((be, gf, h))
+    want = runs[0][2].numpy()
+    be, gf, out = runs[1]
+    st = cpu.ffi.new("int64_t[6]")
+    cpu.lib.mg_pool_stats(st)
+    before = list(st)
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})                    # this thread only
+    cpu.lib.mg_debug_worker_cpu(cpus[0])
+    try:
+        for _ in range(5):
+            be.graph_compute(gf)
+            assert np.array_equal(out.numpy(), want)
+    finally:
+        cpu.lib.mg_debug_worker_cpu(-1)
+        os.sched_setaffinity(0, own)
+    cpu.lib.mg_pool_stats(st)
+    parallel, _, _, _, worker_chunks, moves = (y - x for x, y in zip(before, st))
+    assert parallel >= 1 and moves >= 1 and worker_chunks >= 1, (parallel, worker_chunks, moves)

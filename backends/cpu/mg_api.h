@@ -49,10 +49,14 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err);
  * chunk gets less than chunk_min_cost (tests set 0, 0 to split everything; -1 restores a default) */
 void mg_set_chunking(int64_t par_min_cost, int64_t chunk_min_cost);
 /* the executor's counters since load: parallel runs, runs kept serial after a stall, stalls,
- * ns the caller waited for others' chunks, chunks run by workers */
-void mg_pool_stats(int64_t out[5]);
+ * ns the caller waited for others' chunks, chunks run by workers, workers' moves off the
+ * caller's CPU */
+void mg_pool_stats(int64_t out[6]);
 /* tests: workers sleep ns after claiming each chunk (0: off), as if descheduled holding it */
 void mg_debug_worker_delay(int64_t ns);
+/* tests: workers pin themselves to this CPU as they join a run (-1: off), as if the scheduler
+ * had put them on the caller's */
+void mg_debug_worker_cpu(int cpu);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 int mg_thread_limit(void);  /* the most threads one plan run uses (the pool's size) */
 int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */

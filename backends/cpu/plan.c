@@ -22,7 +22,8 @@
  *    run that ends first hands what is left of the backoff to the next runs (serial). A stall
  *    early in a long prefill run (one 533-node run per kimi-like prefill: it went solo 15 ms in
  *    and ran its remaining 1.3 s on one thread) therefore costs the backoff, not the rest;
- *  - a worker the scheduler placed on the caller's CPU stands aside (on_main_cpu).
+ *  - a worker the scheduler placed on the caller's CPU moves to another CPU it may use, or, with
+ *    none, stands aside (on_main_cpu, move_off_main_cpu).
  * A plan whose nodes are all one chunk never involves the workers.
  * A worker may therefore still be walking a run that has ended (it was descheduled). Every word it
  * reads is the pool's own and tagged with the run's generation, and it touches the plan's records
@@ -211,20 +212,53 @@ static inline int64_t now_ns(void) {
  * preference. The caller does yield while it waits for a chunk: a worker sharing its core gets
  * to finish it. */
 
-/* A worker the scheduler put on the caller's CPU (a futex wake tends to pull the wakee to the
- * waker's CPU, and on a loaded machine nothing moves it away) would only take turns with the
- * caller (and a timed nap there would preempt the caller each time it ends): it leaves the run
- * and sleeps on the futex until the next one, which may find it elsewhere. */
+/* A worker the scheduler put on the caller's CPU would only take turns with the caller (and a
+ * timed nap there would preempt the caller each time it ends). A futex wake puts the wakee there
+ * whenever the other CPU looks busy: a busy process, or another library's threads spinning after
+ * their own call (OpenBLAS's do for a tenth of a second), and nothing moves it away soon. So the
+ * worker moves itself: its affinity becomes its own CPUs without the caller's until it next
+ * sleeps, and the move wakes it on the other CPU, where the scheduler shares that CPU with
+ * whatever runs there. Measured (bench/ops.py --contention, a busy process on one of 2 cores):
+ * 2-thread rows at 0.93-1.05 of their 1-thread time when the worker left the run instead, at
+ * 0.53-0.99 moving. With no other CPU to go to it leaves the run and sleeps on the futex until the
+ * next one, which may find it elsewhere. */
 static inline int on_main_cpu(void) {
     return sched_getcpu() == atomic_load_explicit(&P.main_cpu, memory_order_relaxed);
 }
 
+static __thread cpu_set_t worker_cpus;   /* the CPUs a worker may use: its affinity when it started */
+static __thread int worker_narrowed;     /* its affinity is narrower than that until it sleeps */
+static _Atomic int64_t st_moves;         /* moves off the caller's CPU (workers count them) */
+
+/* the worker, on the caller's CPU, moves to another it may use: 1 when it is now elsewhere */
+static int move_off_main_cpu(void) {
+    const int main = atomic_load_explicit(&P.main_cpu, memory_order_relaxed);
+    cpu_set_t others = worker_cpus;
+    if (main >= 0 && main < CPU_SETSIZE) CPU_CLR(main, &others);
+    if (CPU_COUNT(&others) == 0 || sched_setaffinity(0, sizeof others, &others) != 0) return 0;
+    worker_narrowed = 1;
+    atomic_fetch_add_explicit(&st_moves, 1, memory_order_relaxed);
+    return !on_main_cpu();
+}
+
+/* before a worker sleeps: its own CPUs again, so that the next wake may place it on any of them */
+static void widen_affinity(void) {
+    if (!worker_narrowed) return;
+    sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
+    worker_narrowed = 0;
+}
+
+/* tests: each worker pins itself to this CPU when it joins a run (>= 0), as a scheduler that put
+ * it on the caller's CPU would; -1: off */
+static _Atomic int debug_worker_cpu = -1;
+void mg_debug_worker_cpu(int cpu) { atomic_store(&debug_worker_cpu, cpu); }
+
 /* one step of a worker's wait that started at t0 (0: not yet timed); returns the updated t0, or
- * -1 when the worker should leave the run (it is on the caller's CPU) */
+ * -1 when the worker should leave the run (it is on the caller's CPU and cannot move) */
 static inline int64_t wait_step(int64_t t0, int64_t *iter) {
     if (++*iter < 64) { cpu_relax(); return t0; }
     *iter = 0;
-    if (on_main_cpu()) return -1;
+    if (on_main_cpu() && !move_off_main_cpu()) return -1;
     const int64_t t = now_ns();
     if (t0 == 0) return t;
     if (t - t0 > WORKER_SPIN_NS) {
@@ -250,9 +284,10 @@ void mg_debug_worker_delay(int64_t ns) { atomic_store(&debug_worker_delay_ns, ns
 /* counters for tests and tuning (caller-side, under run_lock) */
 static int64_t st_parallel, st_serial_backoff, st_stalls, st_wait_ns, st_worker_chunks;
 
-void mg_pool_stats(int64_t out[5]) {
+void mg_pool_stats(int64_t out[6]) {
     out[0] = st_parallel; out[1] = st_serial_backoff; out[2] = st_stalls; out[3] = st_wait_ns;
     out[4] = st_worker_chunks;
+    out[5] = atomic_load_explicit(&st_moves, memory_order_relaxed);
 }
 
 static inline int left(uint32_t gen) {   /* the run was stopped or left to the caller alone */
@@ -304,7 +339,7 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, int *resu
             }
         }
         if (main_thread && n > 1) atomic_store_explicit(&P.main_cpu, sched_getcpu(), memory_order_relaxed);
-        else if (!main_thread && on_main_cpu()) continue;   /* see on_main_cpu */
+        else if (!main_thread && on_main_cpu() && !move_off_main_cpu()) continue;   /* see on_main_cpu */
         const int64_t t_start = main_thread && n > 1 ? now_ns() : 0;
         int ran = 0;
         for (;;) {
@@ -366,6 +401,7 @@ static void *worker_main(void *arg) {
     worker_arg a = *(worker_arg *)arg;
     free(arg);
     prctl(PR_SET_TIMERSLACK, 1000UL);   /* naps of 10 us, not the default slack's 60 */
+    if (sched_getaffinity(0, sizeof worker_cpus, &worker_cpus) != 0) CPU_ZERO(&worker_cpus);
     uint32_t seen = a.seen;
     mg_error dummy;
     for (;;) {
@@ -381,6 +417,7 @@ static void *worker_main(void *arg) {
             const int64_t t = now_ns();
             if (t0 == 0) t0 = t;
             if (t - t0 > IDLE_SPIN_NS || on_main_cpu()) {
+                widen_affinity();
                 atomic_fetch_add(&P.sleepers, 1);
                 if (atomic_load(&P.gen) == g) futex(&P.gen, FUTEX_WAIT_PRIVATE, g);
                 atomic_fetch_sub(&P.sleepers, 1);
@@ -398,6 +435,13 @@ static void *worker_main(void *arg) {
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&P.gen, memory_order_relaxed) != g) continue;
         if (a.index >= n_workers) continue;
+        const int pin = atomic_load_explicit(&debug_worker_cpu, memory_order_relaxed);
+        if (pin >= 0 && pin < CPU_SETSIZE) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(pin, &one);
+            if (sched_setaffinity(0, sizeof one, &one) == 0) worker_narrowed = 1;
+        }
         int unused = 0;
         run_nodes(&v, 0, &unused, NULL, &dummy);
     }
