@@ -192,6 +192,9 @@ class GraphResult:
     # holds cache row s_copy_main[q] as it was before the graph wrote anything (the undo journal
     # restores from it instead of copying those rows first; models/step_journal.py)
     witnesses: dict = field(default_factory=dict)
+    # the undo journal's lookups for this graph, made once and kept while the graph is reused:
+    # a deferred row run -> the host bytes of the witness that holds it, or None (StepJournal.bind)
+    witness_bytes: dict = field(default_factory=dict)
 
     def can_reuse(self, params: GraphParams) -> ReuseVerdict:
         """Truthy when this graph can run params' ubatch; else the first failed rule's verdict."""

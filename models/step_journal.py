@@ -105,6 +105,22 @@ def _host_bytes(t) -> tuple[np.ndarray, int] | None:
     return (mem, base) if isinstance(mem, np.ndarray) and mem.dtype == np.uint8 else None
 
 
+_UNKNOWN = object()
+
+
+def _witness_bytes(res, run) -> np.ndarray | None:
+    """The host bytes of the gather in res.witnesses that holds exactly the row run (tensor,
+    offset, stride, count, nbytes) of a cache tensor, or None when none does (not on the host, not
+    one contiguous row range of that size)."""
+    t, _, _, count, n = run
+    g = res.witnesses.get(t)
+    host = _host_bytes(g) if g is not None else None
+    if host is None or count != 1 or g.nbytes() != n or n < STAMP_BYTES or not g.is_contiguous():
+        return None
+    mem, base = host
+    return mem[base:base + n]
+
+
 class StepJournal:
     """Undo journal of one step: cell metadata plus the byte spans each ubatch may write."""
 
@@ -164,18 +180,17 @@ class StepJournal:
         the rest is copied now, before anything is written."""
         deferred, self._deferred = self._deferred, []
         rest = []
-        for run in deferred:
-            t, offs, _, count, n = run
-            g = res.witnesses.get(t)
-            host = _host_bytes(g) if g is not None else None
-            if host is None or count != 1 or g.nbytes() != n or n < STAMP_BYTES or not g.is_contiguous():
+        known = res.witness_bytes      # a reused graph's lookups are made once (a decode step's
+        for run in deferred:           # runs repeat: the same cells, the same gathers)
+            held = known.get(run, _UNKNOWN)
+            if held is _UNKNOWN:
+                held = known[run] = _witness_bytes(res, run)
+            if held is None:
                 rest.append(run)
                 continue
-            mem, base = host
-            held = mem[base:base + n]
             held[:STAMP_BYTES] = self._stamp
-            self._held.append((t, offs, held))
-            self.witnessed += n
+            self._held.append((run[0], run[1], held))
+            self.witnessed += run[4]
         self._save(rest)
 
     def _ran(self, held) -> bool:

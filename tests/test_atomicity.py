@@ -527,3 +527,27 @@ def test_decode_steps_drop_the_prompts_arena(monkeypatch, device):
     with pytest.raises(KeyboardInterrupt):
         r.decode_seq_tokens({0: [9, 10, 11], 1: [12, 13, 14]})
     assert_same_memory(whole_memory(r), before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_reused_graph_finds_its_witnesses_once(monkeypatch, device):
+    """The journal looks up which of a graph's gathers holds each deferred row run (and where its
+    bytes are) once per graph: the decode steps that reuse the graph stamp the same gathers without
+    asking again, leave the same bytes to them, and a failure in one of them is still undone."""
+    calls = []
+    real = step_journal._witness_bytes
+    monkeypatch.setattr(step_journal, "_witness_bytes", lambda res, run: calls.append(run) or real(res, run))
+    r = make_runner("mamba2", device, n_rs_seq=0, mem_size=2)
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    r.decode_seq_tokens({0: [7], 1: [8]})                 # the decode graph: its lookups
+    first, w = len(calls), r.stats.witnessed_bytes
+    assert first > 0 and w > 0
+    for i in range(3):
+        r.decode_seq_tokens({0: [9 + i], 1: [12 + i]})
+    assert len(calls) == first and r.stats.reuses >= 3
+    assert r.stats.witnessed_bytes == 4 * w                # the same bytes left to the gathers each step
+    before = whole_memory(r)
+    ComputeFails(monkeypatch, r, exc=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        r.decode_seq_tokens({0: [20], 1: [21]})
+    assert_same_memory(whole_memory(r), before)
