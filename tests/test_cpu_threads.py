@@ -76,6 +76,24 @@ def test_a_failed_index_check_stops_a_split_run_and_the_pool_keeps_working(n_thr
     assert np.array_equal(out.numpy(), want)
 
 
+def _long_chain(n_nodes, x, backends):
+    """A chain of n_nodes split nodes (adds and scales over [16, 4096] from x), built, allocated and
+    run once on each backend: [(backend, graph, out)]."""
+    runs = []
+    for be in backends:
+        ctx = Context()
+        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
+        h = a
+        for i in range(n_nodes):
+            h = mg.scale(h, 1.0 + 1e-4 * (i % 7)) if i % 2 else mg.add(h, a)
+        mg.alloc_ctx_tensors(ctx, be)
+        a.set(x)
+        gf = mg.Graph().build_forward_expand(h.set_output())
+        be.graph_compute(gf)
+        runs.append((be, gf, h))
+    return runs
+
+
 def run_built_like(x, ids):
     be = cpu.CpuBackend(320).set_n_threads(1)
     ctx = Context()
@@ -241,23 +259,10 @@ def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(spli
     may not get a CPU in time.)"""
     import threading
     import time
-    be1, be2 = cpu.CpuBackend(380).set_n_threads(1), cpu.CpuBackend(381).set_n_threads(2)
     x = np.random.default_rng(9).standard_normal((16, 4096)).astype(np.float32)
-    outs = []
-    for be in (be1, be2):
-        ctx = Context()
-        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
-        h = a
-        for i in range(1500):
-            h = mg.scale(h, 1.0 + 1e-4 * (i % 7)) if i % 2 else mg.add(h, a)
-        mg.alloc_ctx_tensors(ctx, be)
-        a.set(x)
-        gf = mg.Graph().build_forward_expand(h.set_output())
-        outs.append((be, gf, h))
-    be1.graph_compute(outs[0][1])
+    outs = _long_chain(1500, x, [cpu.CpuBackend(380).set_n_threads(1), cpu.CpuBackend(381).set_n_threads(2)])
     want = outs[0][2].numpy()
-    _, gf, out = outs[1]
-    be2.graph_compute(gf)                                 # the plan, built outside the timing
+    be2, gf, out = outs[1]                                # its plan was built outside the timing
     for _ in range(10):                                   # a run with no stall first: no backoff left
         be2.graph_compute(gf)
     st = cpu.ffi.new("int64_t[6]")
@@ -294,18 +299,8 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
     if len(cpus) < 2:  # pragma: no cover - a one-CPU machine or cpuset
         pytest.skip(f"this process may use only CPU {cpus}: there is nowhere to move")
     x = np.random.default_rng(6).standard_normal((16, 4096)).astype(np.float32)
-    runs = []
-    for be in (cpu.CpuBackend(390).set_n_threads(1), cpu.CpuBackend(391).set_n_threads(2)):
-        ctx = Context()
-        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
-        h = a
-        for i in range(1000):
-            h = mg.scale(h, 1.0 + 1e-4 * (i % 5)) if i % 2 else mg.add(h, a)
-        mg.alloc_ctx_tensors(ctx, be)
-        a.set(x)
-        gf = mg.Graph().build_forward_expand(h.set_output())
-        be.graph_compute(gf)                              # 2 threads: the workers exist, free to use every CPU
-        runs.append((be, gf, h))
+    # run once each: at 2 threads the workers now exist, free to use every CPU
+    runs = _long_chain(1000, x, [cpu.CpuBackend(390).set_n_threads(1), cpu.CpuBackend(391).set_n_threads(2)])
     want = runs[0][2].numpy()
     be, gf, out = runs[1]
     st = cpu.ffi.new("int64_t[6]")
@@ -324,3 +319,24 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
     cpu.lib.mg_pool_stats(st)
     parallel, _, _, _, worker_chunks, moves = (y - x for x, y in zip(before, st))
     assert parallel >= 1 and moves >= 1 and worker_chunks >= 1, (parallel, worker_chunks, moves)
+
+
+def test_a_long_run_that_starts_inside_a_backoff_takes_its_workers_after_it(split_everything):
+    """The last run ended solo and left 5 ms of its backoff: the next run, 1500 split nodes (tens of
+    ms), runs alone only until the backoff has passed, then the workers join the nodes left (it
+    once ran all of a 1.9 s prefill on one thread); the result stays exact."""
+    x = np.random.default_rng(11).standard_normal((16, 4096)).astype(np.float32)
+    outs = _long_chain(1500, x, [cpu.CpuBackend(395).set_n_threads(1), cpu.CpuBackend(396).set_n_threads(2)])
+    want = outs[0][2].numpy()
+    be, gf, out = outs[1]
+    st = cpu.ffi.new("int64_t[6]")
+    cpu.lib.mg_pool_stats(st)
+    before = list(st)
+    cpu.lib.mg_debug_backoff_left(5_000_000)
+    be.graph_compute(gf)
+    cpu.lib.mg_pool_stats(st)
+    parallel, serial, _, _, worker_chunks, _ = (y - x for x, y in zip(before, st))
+    assert np.array_equal(out.numpy(), want)
+    assert serial == 1 and parallel >= 1, (parallel, serial, worker_chunks)
+    if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
+        pytest.skip("the worker took no chunk after the backoff")

@@ -57,6 +57,8 @@ void mg_debug_worker_delay(int64_t ns);
 /* tests: workers pin themselves to this CPU as they join a run (-1: off), as if the scheduler
  * had put them on the caller's */
 void mg_debug_worker_cpu(int cpu);
+/* tests: the next run starts inside a backoff of ns, as if the last run had ended solo */
+void mg_debug_backoff_left(int64_t ns);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 int mg_thread_limit(void);  /* the most threads one plan run uses (the pool's size) */
 int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */
