@@ -94,6 +94,21 @@ def _long_chain(n_nodes, x, backends):
     return runs
 
 
+def _chain_1t_2t(n_nodes, seed, backend_id):
+    """_long_chain from a seeded x on a 1-thread backend (the expected result) and a 2-thread one:
+    (want, the 2-thread backend, its graph, its out)."""
+    x = np.random.default_rng(seed).standard_normal((16, 4096)).astype(np.float32)
+    runs = _long_chain(n_nodes, x, [cpu.CpuBackend(backend_id).set_n_threads(1),
+                                    cpu.CpuBackend(backend_id + 1).set_n_threads(2)])
+    return (runs[0][2].numpy(), *runs[1])
+
+
+def _pool_stats() -> list:
+    st = cpu.ffi.new("int64_t[6]")
+    cpu.lib.mg_pool_stats(st)
+    return list(st)
+
+
 def run_built_like(x, ids):
     be = cpu.CpuBackend(320).set_n_threads(1)
     ctx = Context()
@@ -259,10 +274,7 @@ def test_a_long_run_that_went_solo_takes_its_workers_back_after_the_backoff(spli
     may not get a CPU in time.)"""
     import threading
     import time
-    x = np.random.default_rng(9).standard_normal((16, 4096)).astype(np.float32)
-    outs = _long_chain(1500, x, [cpu.CpuBackend(380).set_n_threads(1), cpu.CpuBackend(381).set_n_threads(2)])
-    want = outs[0][2].numpy()
-    be2, gf, out = outs[1]                                # its plan was built outside the timing
+    want, be2, gf, out = _chain_1t_2t(1500, 9, 380)      # the plan is built outside the timing
     for _ in range(10):                                   # a run with no stall first: no backoff left
         be2.graph_compute(gf)
     st = cpu.ffi.new("int64_t[6]")
@@ -298,14 +310,8 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:  # pragma: no cover - a one-CPU machine or cpuset
         pytest.skip(f"this process may use only CPU {cpus}: there is nowhere to move")
-    x = np.random.default_rng(6).standard_normal((16, 4096)).astype(np.float32)
-    # run once each: at 2 threads the workers now exist, free to use every CPU
-    runs = _long_chain(1000, x, [cpu.CpuBackend(390).set_n_threads(1), cpu.CpuBackend(391).set_n_threads(2)])
-    want = runs[0][2].numpy()
-    be, gf, out = runs[1]
-    st = cpu.ffi.new("int64_t[6]")
-    cpu.lib.mg_pool_stats(st)
-    before = list(st)
+    want, be, gf, out = _chain_1t_2t(1000, 6, 390)       # run once: the workers exist, free to use every CPU
+    before = _pool_stats()
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpus[0]})                    # this thread only
     cpu.lib.mg_debug_worker_cpu(cpus[0])
@@ -316,8 +322,7 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
     finally:
         cpu.lib.mg_debug_worker_cpu(-1)
         os.sched_setaffinity(0, own)
-    cpu.lib.mg_pool_stats(st)
-    parallel, _, _, _, worker_chunks, moves = (y - x for x, y in zip(before, st))
+    parallel, _, _, _, worker_chunks, moves = (y - x for x, y in zip(before, _pool_stats()))
     assert parallel >= 1 and moves >= 1 and worker_chunks >= 1, (parallel, worker_chunks, moves)
 
 
@@ -325,17 +330,11 @@ def test_a_long_run_that_starts_inside_a_backoff_takes_its_workers_after_it(spli
     """The last run ended solo and left 5 ms of its backoff: the next run, 1500 split nodes (tens of
     ms), runs alone only until the backoff has passed, then the workers join the nodes left (it
     once ran all of a 1.9 s prefill on one thread); the result stays exact."""
-    x = np.random.default_rng(11).standard_normal((16, 4096)).astype(np.float32)
-    outs = _long_chain(1500, x, [cpu.CpuBackend(395).set_n_threads(1), cpu.CpuBackend(396).set_n_threads(2)])
-    want = outs[0][2].numpy()
-    be, gf, out = outs[1]
-    st = cpu.ffi.new("int64_t[6]")
-    cpu.lib.mg_pool_stats(st)
-    before = list(st)
+    want, be, gf, out = _chain_1t_2t(1500, 11, 395)
+    before = _pool_stats()
     cpu.lib.mg_debug_backoff_left(5_000_000)
     be.graph_compute(gf)
-    cpu.lib.mg_pool_stats(st)
-    parallel, serial, _, _, worker_chunks, _ = (y - x for x, y in zip(before, st))
+    parallel, serial, _, _, worker_chunks, _ = (y - x for x, y in zip(before, _pool_stats()))
     assert np.array_equal(out.numpy(), want)
     assert serial == 1 and parallel >= 1, (parallel, serial, worker_chunks)
     if worker_chunks == 0:  # pragma: no cover - the worker never got a chunk (a loaded machine)
