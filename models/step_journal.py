@@ -105,9 +105,6 @@ def _host_bytes(t) -> tuple[np.ndarray, int] | None:
     return (mem, base) if isinstance(mem, np.ndarray) and mem.dtype == np.uint8 else None
 
 
-_UNKNOWN = object()
-
-
 def _witness_bytes(res, run) -> np.ndarray | None:
     """The host bytes of the gather in res.witnesses that holds exactly the row run (tensor,
     offset, stride, count, nbytes) of a cache tensor, or None when none does (not on the host, not
@@ -182,9 +179,9 @@ class StepJournal:
         rest = []
         known = res.witness_bytes      # a reused graph's lookups are made once (a decode step's
         for run in deferred:           # runs repeat: the same cells, the same gathers)
-            held = known.get(run, _UNKNOWN)
-            if held is _UNKNOWN:
-                held = known[run] = _witness_bytes(res, run)
+            if run not in known:
+                known[run] = _witness_bytes(res, run)
+            held = known[run]
             if held is None:
                 rest.append(run)
                 continue

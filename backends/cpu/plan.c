@@ -491,12 +491,19 @@ static int pool_grow(int n_workers, uint32_t seen) {
     return P.n_created;
 }
 
-static int run_serial(mg_node *nodes, int n_nodes, mg_error *err) {
-    for (int i = 0; i < n_nodes; i++) {
-        if (pre_node(&nodes[i], i, err)) return err->code;
-        kernel_for(nodes[i].op)(&nodes[i], 0, 1);
+/* nodes [*next, n_nodes) on the caller's thread alone, while now < until; *next is left at the
+ * first node not run */
+static int run_alone(mg_node *nodes, int n_nodes, int64_t until, int *next, mg_error *err) {
+    for (; *next < n_nodes && (until == INT64_MAX || now_ns() < until); ++*next) {
+        if (pre_node(&nodes[*next], *next, err)) return err->code;
+        kernel_for(nodes[*next].op)(&nodes[*next], 0, 1);
     }
     return MG_OK;
+}
+
+static int run_serial(mg_node *nodes, int n_nodes, mg_error *err) {
+    int next = 0;
+    return run_alone(nodes, n_nodes, INT64_MAX, &next, err);
 }
 
 int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
@@ -516,16 +523,10 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
     if (P.serial_until != 0) {
         if (now_ns() < P.serial_until) {
             st_serial_backoff++;
-            for (; start < n_nodes && now_ns() < P.serial_until; start++) {
-                if (pre_node(&nodes[start], start, err)) {
-                    pthread_mutex_unlock(&P.run_lock);
-                    return err->code;
-                }
-                kernel_for(nodes[start].op)(&nodes[start], 0, 1);
-            }
-            if (start == n_nodes) {
+            const int rc = run_alone(nodes, n_nodes, P.serial_until, &start, err);
+            if (rc != MG_OK || start == n_nodes) {
                 pthread_mutex_unlock(&P.run_lock);
-                return MG_OK;
+                return rc;
             }
         }
         P.serial_until = 0;
