@@ -24,7 +24,7 @@ on both. minigraph runs its Runner as an application would: graph reuse on, fail
 
 Before a speed is reported, the logits of the first repetition of the two engines are compared:
 max |minigraph - llama.cpp| / max |llama.cpp| over every output of the call (TARGET 3e-6 is what we
-aim for; a row above BOUND is refused, its speed not reported). The profile (1 thread, first
+aim for; a row above BOUND is refused, its speed not reported). The profile (1 thread unless --profile-threads says otherwise, first
 repetition of each phase, run after the timing in the same worker) says where minigraph's step time
 goes: kernels by op (the plans replayed in order, each record alone: sums per call), plan building, the undo journal
 (failure atomicity), reading the logits, scheduler copies, and the Python left over; and ggml's own
@@ -736,7 +736,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per row (median); default 3, 1 with --quick")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition, logits check only (CI)")
     ap.add_argument("--profile", default=None, choices=("on", "off"),
-                    help="per-op profiles at 1 thread (default: on, off with --quick)")
+                    help="per-op profiles (default: on, off with --quick)")
+    ap.add_argument("--profile-threads", default="1",
+                    help="the thread counts whose rows are profiled, comma separated (default 1)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), f"minigraph-e2e-{os.getuid()}"),
                     help="where the GGUF files are written (kept between runs)")
     ap.add_argument("--ftype", default=None,
@@ -774,6 +776,12 @@ def main(argv=None) -> int:
         return 2
     reps = args.reps or (1 if args.quick else 3)
     profile = (args.profile or ("off" if args.quick else "on")) == "on"
+    try:
+        profile_threads = {int(t) for t in args.profile_threads.split(",") if t}
+    except ValueError:
+        print(f"bench/e2e.py: --profile-threads {args.profile_threads!r}: integers, comma separated",
+              file=sys.stderr)
+        return 2
     from minigraph.testing import llama_oracle as lo
     if not lo.installed():
         print(f"bench/e2e.py: {lo.not_installed_reason()}", file=sys.stderr)
@@ -817,7 +825,7 @@ def main(argv=None) -> int:
             for phase in (phases if ftype not in extra else ["decode1"]):
                 for nt in threads:
                     cfg = dict(path=path, phase=phase, threads=nt, reps=reps, quick=args.quick,
-                               profile=profile and nt == 1)
+                               profile=profile and nt in profile_threads)
                     res = run_row(cfg, reps, 120 if args.quick else 1800)
                     load = loadavg().split()[0]
                     errs = [f"{e}: {r['error']}" for e, r in res.items() if "error" in r]

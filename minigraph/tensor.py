@@ -184,6 +184,13 @@ class Tensor:
         self.flags.add("side_copy")
         return self
 
+    def set_state_store(self) -> "Tensor":
+        """A CPY of the state slots a scan (SSM_SCAN, GATED_DELTA_NET) packs after its main
+        output into a cache, those slots read by nothing else: a backend may have the scan write
+        them into the cache itself and skip the copy (the cpu backend's fused stores)."""
+        self.flags.add("state_store")
+        return self
+
     def set_weight(self) -> "Tensor":
         self.flags.add("weight")
         return self

@@ -343,4 +343,5 @@ class GraphContext:
         elt = packed.type.size
         src = mg.view_3d(packed, D, S, n_written, D * elt, D * elt * S, state_offs)
         dst = mg.view_3d(s, D, S, n_written, s.nb[1], self.mctx.get_size() * s.nb[1], inp.head * s.nb[1])
-        self.gf.build_forward_expand(mg.cpy(src, dst))
+        # nothing else reads the packed slots: a backend may write them into the cache directly
+        self.gf.build_forward_expand(mg.cpy(src, dst).set_state_store())

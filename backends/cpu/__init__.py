@@ -100,6 +100,31 @@ def _params(node, rec):
         rec.ip[i] = int(node.params[p])
 
 
+# the scans whose state slots a store may take straight from the kernel: (D floats per sequence
+# and slot, n_seqs) from the node's sources (ssm.c writes slot j of sequence q at [D, n_seqs, K])
+_STATE_SLOTS = {
+    "SSM_SCAN": lambda src: (src["s"].ne[0] * src["x"].ne[0] * src["x"].ne[1], src["x"].ne[3]),
+    "GATED_DELTA_NET": lambda src: (src["v"].ne[0] ** 2 * src["v"].ne[1], src["v"].ne[3]),
+}
+
+
+def _byte_end(t) -> int:
+    """One past the last byte t spans in its root's memory."""
+    if t.nelements() == 0:
+        return t.view_offs
+    return t.view_offs + sum((n - 1) * b for n, b in zip(t.ne, t.nb)) + t.type.size
+
+
+def _clear_of(node, cache, scan, slots_offs) -> bool:
+    """node neither touches the cache tensor nor reads the scan's state slots (from slots_offs)."""
+    for t in (node, *srcs_of(node).values()):
+        if t is None:
+            continue
+        if t.root() is cache or (t.root() is scan and _byte_end(t) > slots_offs):
+            return False
+    return True
+
+
 class CpuPlan:
     """A built plan: the C records plus what is needed to validate and report on it."""
 
@@ -277,6 +302,34 @@ class CpuBackend(HostBackend):
                 return "GET_ROWS:side_copy"
         return node.op
 
+    @staticmethod
+    def _fused_stores(compute) -> dict:
+        """{position in compute of a state store (Tensor.set_state_store): position of the scan
+        whose state slots it copies}, for the stores the scan can write itself (ssm.c: store_ok
+        decides each run whether it may): the store copies every slot, packed [D, n_seqs, K]
+        after the scan's main output, into f32 rows with dense dims 0, and no node between the
+        two touches the store's tensor or reads those slots."""
+        pos = {id(n): i for i, n in enumerate(compute)}
+        out = {}
+        for c, store in enumerate(compute):
+            if store.op != "CPY" or "state_store" not in store.flags:
+                continue
+            a = srcs_of(store)["a"]
+            scan = a.view_src
+            if scan is None or scan.op not in _STATE_SLOTS or id(scan) not in pos or scan.is_output:
+                continue
+            D, ns = _STATE_SLOTS[scan.op](srcs_of(scan))
+            K = scan.params["K"]
+            offs = scan.nbytes() - K * D * ns * 4
+            if (scan.type != f32 or store.type != f32 or tuple(a.ne) != (D, ns, K, 1) or not a.is_contiguous()
+                    or a.view_offs != offs or tuple(store.ne) != tuple(a.ne) or store.nb[0] != 4
+                    or store.nb[1] < D * 4 or (K > 1 and store.nb[2] < store.nb[1] * ns)):
+                continue
+            s = pos[id(scan)]
+            if all(_clear_of(n, store.root(), scan, offs) for n in compute[s + 1:c]):
+                out[c] = s
+        return out
+
     def build_plan(self, nodes) -> CpuPlan:
         """Translate ``nodes`` into C node records (once per node list and memory binding).
 
@@ -298,6 +351,7 @@ class CpuBackend(HostBackend):
         work_addr = (int(ffi.cast("uintptr_t", work)) + 63) // 64 * 64 if work is not None else 0
         records = ffi.new("mg_node[]", max(len(record_nodes), 1))
         roots = {}
+        at = {}                      # id(node) -> its (main) record
         i = 0
         for node in compute:
             names = OPS[node.op].srcs
@@ -327,10 +381,19 @@ class CpuBackend(HostBackend):
             if convert:   # src1: the converted rows
                 rec.src[1] = records[i - 2].dst
             _params(node, rec)
+            at[id(node)] = rec
+        fused = self._fused_stores(compute)
+        stored = ffi.new("int64_t[]", max(len(fused), 1))
+        for k, (c, s) in enumerate(fused.items()):
+            store, scan = at[id(compute[c])], at[id(compute[s])]
+            self._fill(scan.store, compute[c])
+            scan.stored = store.stored = stored + k
         roots = list(roots.values())
         self.plans_built += 1
         plan = CpuPlan(nodes, records, len(record_nodes), record_nodes, roots, self._signature(roots))
         plan.work = work             # the conversion buffer: alive as long as the records point into it
+        plan.stored = stored         # the fused stores' words, likewise
+        plan.fused_stores = len(fused)
         plan.epoch = bind_epoch()
         return plan
 

@@ -107,6 +107,8 @@ static void transpose_plane(char *dst, int64_t dnb1, const char *src, int64_t sn
  *   a:   [ne00, ne01, ne02, ne03]
  *   dst: [ne0,  ne1,  ne2,  ne3 ] */
 void mg_k_cpy(const mg_node *n, int ith, int nth) {
+    /* a state store the scan before it already wrote in place (ssm.c: store_ok) */
+    if (n->stored && __atomic_load_n(n->stored, __ATOMIC_RELAXED)) return;
     const mg_tensor *a = &n->src[0];
     const mg_tensor *d = &n->dst;
     const int st = a->type, dt = d->type;

@@ -27,6 +27,12 @@ typedef struct mg_node {
     float     fp[8];            /* the op's float params, in the registry's declaration order */
     int64_t   ip[8];            /* the op's int and bool params, in declaration order */
     int64_t   cost;             /* the executor's work estimate, filled on the first run (0: not yet) */
+    /* a state store fused into a scan (build_plan's fused_stores): on the scan's record, where its
+     * K state slots go instead of after its main output ([D, n_seqs, K], dims 0 dense; data NULL:
+     * not fused); on both records, the word in which the scan says, each run, whether it wrote
+     * them there (1) or, as when unfused, after its output (0: the store's CPY then copies them) */
+    mg_tensor store;
+    int64_t  *stored;
 } mg_node;
 
 typedef struct mg_error {

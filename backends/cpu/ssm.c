@@ -454,6 +454,42 @@ int mg_check_ssm_scan(const mg_node *n, mg_error *err) {
 
 static inline float softplus_f(float x) { return x > 20.0f ? x : logf(1.0f + expf(x)); }
 
+/* A state store fused into the scan (mg_node.store, set up by the plan builder): the scan writes
+ * slot j of sequence q straight into the store's row (q, j) of the cache instead of after its main
+ * output, which saves the store's copy of every state. The source state of a sequence is read whole
+ * by its jobs before they write, so slot 0 may be that very source (a state updated in place); any
+ * other overlap between one sequence's slots and a source another sequence still has to read (a
+ * sequence moved into a cell another one leaves this step) makes the run write after the output as
+ * usual, and the store's copy then runs. Every chunk decides alike: the decision is the data's. */
+typedef const char *(*state_src_fn)(const mg_node *n, int64_t q);
+
+static inline char *store_slot(const mg_node *n, int64_t q, int64_t j) {
+    return n->store.data + q * n->store.nb[1] + j * n->store.nb[2];
+}
+
+static int store_ok(const mg_node *n, int64_t ns, int64_t K, state_src_fn src, int64_t bytes) {
+    if (n->store.data == NULL) return 0;
+    for (int64_t q = 0; q < ns; q++)
+        for (int64_t j = 0; j < K; j++) {
+            const char *d = store_slot(n, q, j);
+            for (int64_t r = 0; r < ns; r++) {
+                const char *s = src(n, r);
+                if (d < s + bytes && s < d + bytes && !(r == q && j == 0 && d == s)) return 0;
+            }
+        }
+    return 1;
+}
+
+static void store_decide(const mg_node *n, int fused) {
+    if (n->stored) __atomic_store_n(n->stored, (int64_t)fused, __ATOMIC_RELAXED);
+}
+
+static const char *scan_src(const mg_node *n, int64_t q) {
+    int32_t row;
+    memcpy(&row, n->src[6].data + q * n->src[6].nb[0], 4);
+    return mg_ptr(&n->src[0], 0, 0, 0, row);
+}
+
 void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
     const mg_tensor *s = &n->src[0], *x = &n->src[1], *dt = &n->src[2], *A = &n->src[3];
     const mg_tensor *B = &n->src[4], *C = &n->src[5], *ids = &n->src[6];
@@ -464,6 +500,8 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
     const int mamba1 = A->ne[0] != 1;
     float *out = (float *)n->dst.data;
     const int64_t ny = hd * nh * T * ns;
+    const int fused = store_ok(n, ns, K, scan_src, ds * hd * nh * 4);
+    store_decide(n, fused);
     if (T <= 0 || heads_per_group <= 0) return;
     int64_t j0, j1;
     mg_split(ns * nh, ith, nth, &j0, &j1);
@@ -471,9 +509,11 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
         const int64_t q = job / nh, h = job % nh, g = h / heads_per_group;
         int32_t row;
         memcpy(&row, ids->data + q * ids->nb[0], 4);
-        float *st = out + ny + ((0 * ns + q) * nh + h) * hd * ds;                   /* [ds, hd] working state = slot 0 */
-        for (int64_t p = 0; p < hd; p++)
-            memcpy(st + p * ds, mg_ptr(s, 0, p, h, row), (size_t)ds * 4);
+        float *st = fused ? (float *)store_slot(n, q, 0) + h * hd * ds             /* [ds, hd] working state = slot 0 */
+                          : out + ny + ((0 * ns + q) * nh + h) * hd * ds;
+        if ((const char *)st != mg_ptr(s, 0, 0, h, row))                            /* not in place */
+            for (int64_t p = 0; p < hd; p++)
+                memcpy(st + p * ds, mg_ptr(s, 0, p, h, row), (size_t)ds * 4);
         for (int64_t t = 0; t < T; t++) {
             const float dsp = softplus_f(mg_load_f32(mg_ptr(dt, h, t, q, 0)));
             const float *xr = (const float *)mg_ptr(x, 0, h, t, q);                 /* [hd] */
@@ -506,7 +546,8 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
             }
             const int64_t slot = T - 1 - t;
             if (slot >= 1 && slot < K)
-                memcpy(out + ny + ((slot * ns + q) * nh + h) * hd * ds, st, (size_t)(hd * ds) * 4);
+                memcpy(fused ? (float *)store_slot(n, q, slot) + h * hd * ds
+                             : out + ny + ((slot * ns + q) * nh + h) * hd * ds, st, (size_t)(hd * ds) * 4);
         }
     }
 }
@@ -520,6 +561,8 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
  *   v = src[2] [S, H, T, n_seqs], g = src[3] [1 or S, H, T, n_seqs], beta = src[4] [1, H, T, n_seqs]
  *   state = src[5] [S, S, H, n_seqs] contiguous: element (i, j, h, sq) = M[j][i]
  *   dst f32 [S*H, T*n_seqs + K*S*n_seqs]: out [S, H, T, n_seqs], then M [S, S, H, n_seqs, K] */
+static const char *gdn_src(const mg_node *n, int64_t q) { return mg_ptr(&n->src[5], 0, 0, 0, q); }
+
 void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
     const mg_tensor *qt = &n->src[0], *kt = &n->src[1], *vt = &n->src[2];
     const mg_tensor *gt = &n->src[3], *bt = &n->src[4], *state = &n->src[5];
@@ -529,6 +572,8 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
     float *out = (float *)n->dst.data;
     const int64_t n_o = S * H * T * ns;
     const float scale = 1.0f / sqrtf((float)S);
+    const int fused = store_ok(n, ns, K, gdn_src, S * S * H * 4);
+    store_decide(n, fused);
     if (T <= 0 || qt->ne[1] <= 0 || kt->ne[1] <= 0 || qt->ne[3] <= 0 || kt->ne[3] <= 0) return;
     const int64_t rq = ns / qt->ne[3], rk = ns / kt->ne[3];
     if (rq <= 0 || rk <= 0) return;
@@ -538,9 +583,11 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
         const int64_t sq = job / H, h = job % H;
         const int64_t hq = h % qt->ne[1], hk = h % kt->ne[1];
         const int64_t sqq = sq / rq, sqk = sq / rk;
-        float *M = out + n_o + ((0 * ns + sq) * H + h) * S * S;                     /* [S(i), S(j)] = slot 0 */
-        for (int64_t j = 0; j < S; j++)
-            memcpy(M + j * S, mg_ptr(state, 0, j, h, sq), (size_t)S * 4);
+        float *M = fused ? (float *)store_slot(n, sq, 0) + h * S * S               /* [S(i), S(j)] = slot 0 */
+                         : out + n_o + ((0 * ns + sq) * H + h) * S * S;
+        if ((const char *)M != mg_ptr(state, 0, 0, h, sq))                          /* not in place */
+            for (int64_t j = 0; j < S; j++)
+                memcpy(M + j * S, mg_ptr(state, 0, j, h, sq), (size_t)S * 4);
         for (int64_t t = 0; t < T; t++) {
             const float *q = (const float *)mg_ptr(qt, 0, hq, t, sqq);              /* [S] */
             const float *k = (const float *)mg_ptr(kt, 0, hk, t, sqk);              /* [S] */
@@ -567,7 +614,8 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
             }
             const int64_t slot = T - 1 - t;
             if (slot >= 1 && slot < K)
-                memcpy(out + n_o + ((slot * ns + sq) * H + h) * S * S, M, (size_t)(S * S) * 4);
+                memcpy(fused ? (float *)store_slot(n, sq, slot) + h * S * S
+                             : out + n_o + ((slot * ns + sq) * H + h) * S * S, M, (size_t)(S * S) * 4);
         }
     }
 }
