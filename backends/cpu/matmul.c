@@ -208,9 +208,20 @@ DEFINE_ROWS(rows_c3, 3)
 DEFINE_ROWS(rows_c2, 2)
 
 /* exactly 4 columns with AVX2's 16 registers: 2 x 4 tiles over all of K (8 chains, 6 loads per
- * 8 fmas, a read once); see direct_block */
+ * 8 fmas, a read once), or for rows up to N4_ROW_MAX floats 1 x 4 tiles (a row at a time: one
+ * sequential stream, as MV_ROW_MAX says). Measured on this Zen 3 core (a standalone C loop over
+ * 450 MB of weights by 4 columns, variants interleaved in one process): 1 x 4 against 2 x 4
+ * 44-51 ms against 59-65 at K 768, 54-58 against 57-61 at 1024-1536, slower at 2048 and 4608
+ * (60-70 against 51-62); see direct_block */
+#ifndef N4_ROW_MAX
+#define N4_ROW_MAX 1536
+#endif
 static void rows_2x4(ROWS_PARAMS) {
     int64_t i = m0;
+    if (k1 - k0 <= N4_ROW_MAX) {
+        for (; i < m1; i++) tile_store(TILE_ARGS, i, j, 1, 4, k0, k1);
+        return;
+    }
     for (; i + 2 <= m1; i += 2) tile_store(TILE_ARGS, i, j, 2, 4, k0, k1);
     if (i < m1) tile_store(TILE_ARGS, i, j, 1, 4, k0, k1);
 }
