@@ -26,11 +26,11 @@ Before a speed is reported, the logits of the first repetition of the two engine
 max |minigraph - llama.cpp| / max |llama.cpp| over every output of the call (TARGET 3e-6 is what we
 aim for; a row above BOUND is refused, its speed not reported). The profile (1 thread unless
 --profile-threads says otherwise; first repetition of each phase, run after the timing in the same
-worker) says where minigraph's step time
-goes: kernels by op (the plans replayed in order, each record alone: sums per call), plan building, the undo journal
-(failure atomicity), reading the logits, scheduler copies, and the Python left over; and ggml's own
-per-op time inside llama.cpp (its scheduler's eval callback asks for every node, so each node runs
-as a graph of its own: the times include one graph launch per node).
+worker) says where minigraph's step time goes: kernels by op (the plans replayed in order, each
+record alone: sums per call), plan building, the undo journal (failure atomicity), reading the
+logits, scheduler copies, and the Python left over; and ggml's own per-op time inside llama.cpp
+(its scheduler's eval callback asks for every node, so each node runs as a graph of its own: the
+times include one graph launch per node).
 
 The last line is `e2e: worst tokens/s ratio minigraph/llama.cpp: R (model, phase, threads)`.
 """

@@ -90,6 +90,7 @@ class OpDef:
     params: dict[str, type]             # typed op params, in declaration order
     rule: Callable[..., Out]            # shape rule: the only validator; raises OpError
     reference: Callable | None = None   # NumPy reference: (node, **arrays) -> array
+    state_slots: Callable | None = None  # a scan's packed states: (node) -> (byte offset, D, n_seqs, K)
     is_view: bool = False               # computes nothing (VIEW, RESHAPE, PERMUTE, TRANSPOSE)
     sources: tuple[Src, ...] = ()       # the roles of srcs (same order)
     split: str | None = None            # the meta backend's split rule, by name
@@ -161,6 +162,17 @@ def reference(name: str):
     """Decorator that attaches the NumPy reference to a registered op."""
     def deco(fn):
         OPS[name].reference = fn
+        return fn
+    return deco
+
+
+def state_slots(name: str):
+    """Decorator that declares where a scan packs its K state snapshots: (node) -> (byte offset
+    of the first, D floats per sequence and slot, n_seqs, K), laid out [D, n_seqs, K] after the
+    main output. A backend that writes them elsewhere (the cpu backend's fused stores) reads it
+    here, not from its own copy of the shape rule."""
+    def deco(fn):
+        OPS[name].state_slots = fn
         return fn
     return deco
 

@@ -113,6 +113,18 @@ def test_fused_store_writes_what_the_copy_would(case, n_threads, request):
 
 
 @pytest.mark.parametrize("fn", [ssm_scan_store, gdn_store])
+@pytest.mark.parametrize("ns,T,K", [(1, 1, 1), (2, 3, 2), (3, 2, 4)])
+def test_the_declared_state_slots_end_the_scans_output(fn, ns, T, K):
+    """registry.state_slots, which the fused stores follow, says where the shape rule puts the
+    slots: [D, n_seqs, K] floats ending the output, D the per-sequence state."""
+    b = Built(Context())
+    cache, scan, _ = fn(b, np.random.default_rng(1), ns, T, K, list(range(ns)), 0, ns)
+    offs, D, n, k = mg.OPS[scan.op].state_slots(scan)
+    assert (D, n, k) == (cache.ne[0], ns, K)
+    assert offs + D * n * k * 4 == scan.nbytes()
+
+
+@pytest.mark.parametrize("fn", [ssm_scan_store, gdn_store])
 def test_a_node_between_that_reads_the_cache_keeps_the_store_a_copy(fn):
     def build(b, rng):
         return fn(b, rng, 2, 1, 1, [0, 1], 0, 2, between=True)

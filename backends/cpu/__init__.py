@@ -100,27 +100,12 @@ def _params(node, rec):
         rec.ip[i] = int(node.params[p])
 
 
-# the scans whose state slots a store may take straight from the kernel: (D floats per sequence
-# and slot, n_seqs) from the node's sources (ssm.c writes slot j of sequence q at [D, n_seqs, K])
-_STATE_SLOTS = {
-    "SSM_SCAN": lambda src: (src["s"].ne[0] * src["x"].ne[0] * src["x"].ne[1], src["x"].ne[3]),
-    "GATED_DELTA_NET": lambda src: (src["v"].ne[0] ** 2 * src["v"].ne[1], src["v"].ne[3]),
-}
-
-
-def _byte_end(t) -> int:
-    """One past the last byte t spans in its root's memory."""
-    if t.nelements() == 0:
-        return t.view_offs
-    return t.view_offs + sum((n - 1) * b for n, b in zip(t.ne, t.nb)) + t.type.size
-
-
 def _clear_of(node, cache, scan, slots_offs) -> bool:
     """node neither touches the cache tensor nor reads the scan's state slots (from slots_offs)."""
     for t in (node, *srcs_of(node).values()):
         if t is None:
             continue
-        if t.root() is cache or (t.root() is scan and _byte_end(t) > slots_offs):
+        if t.root() is cache or (t.root() is scan and t.view_offs + t.nbytes() > slots_offs):
             return False
     return True
 
@@ -139,6 +124,8 @@ class CpuPlan:
         self.runs = 0
         self.epoch = -1             # bind epoch at which it was last known valid
         self.work = None            # MUL_MAT src1 conversion buffer (build_plan)
+        self.stored = None          # the fused state stores' words (build_plan, ssm.c: store_ok)
+        self.fused_stores = 0       # how many stores the scans write themselves
 
 
 def _cores() -> int:
@@ -307,8 +294,8 @@ class CpuBackend(HostBackend):
         """{position in compute of a state store (Tensor.set_state_store): position of the scan
         whose state slots it copies}, for the stores the scan can write itself (ssm.c: store_ok
         decides each run whether it may): the store copies every slot, packed [D, n_seqs, K]
-        after the scan's main output, into f32 rows with dense dims 0, and no node between the
-        two touches the store's tensor or reads those slots."""
+        where the op declares them (registry.state_slots), into f32 rows with dense dims 0, and
+        no node between the two touches the store's tensor or reads those slots."""
         pos = {id(n): i for i, n in enumerate(compute)}
         out = {}
         for c, store in enumerate(compute):
@@ -316,11 +303,9 @@ class CpuBackend(HostBackend):
                 continue
             a = srcs_of(store)["a"]
             scan = a.view_src
-            if scan is None or scan.op not in _STATE_SLOTS or id(scan) not in pos or scan.is_output:
+            if scan is None or OPS[scan.op].state_slots is None or id(scan) not in pos or scan.is_output:
                 continue
-            D, ns = _STATE_SLOTS[scan.op](srcs_of(scan))
-            K = scan.params["K"]
-            offs = scan.nbytes() - K * D * ns * 4
+            offs, D, ns, K = OPS[scan.op].state_slots(scan)
             if (scan.type != f32 or store.type != f32 or tuple(a.ne) != (D, ns, K, 1) or not a.is_contiguous()
                     or a.view_offs != offs or tuple(store.ne) != tuple(a.ne) or store.nb[0] != 4
                     or store.nb[1] < D * 4 or (K > 1 and store.nb[2] < store.nb[1] * ns)):

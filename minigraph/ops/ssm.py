@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..registry import GgmlCall, Out, build, op, reference, require
+from ..registry import GgmlCall, Out, build, op, reference, require, state_slots
 from ..types import f32, i32
 from .elementwise import _softplus
 from .index import check_indices
@@ -83,6 +83,12 @@ def _ssm_scan_rule(s, x, dt, A, B, C, ids, K):
     return Out(f32, (x.nelements() + K * d_state * head_dim * n_head * n_seqs,))
 
 
+@state_slots("SSM_SCAN")
+def _ssm_scan_slots(node):
+    s, x = node.srcs["s"], node.srcs["x"]
+    return x.nelements() * 4, s.ne[0] * x.ne[0] * x.ne[1], x.ne[3], node.params["K"]
+
+
 @reference("SSM_SCAN")
 def _ssm_scan_ref(node, s, x, dt, A, B, C, ids):
     K = node.params["K"]
@@ -150,6 +156,12 @@ def _gdn_rule(q, k, v, g, beta, state, K):
                 f"{t.label} must be [{S_v}, H_k | {H}, {T}, n | {n_seqs}], got ne={list(t.ne)}")
     require(K >= 1, name, f"K must be >= 1, got {K}")
     return Out(f32, (S_v * H, T * n_seqs + K * S_v * n_seqs))
+
+
+@state_slots("GATED_DELTA_NET")
+def _gdn_slots(node):
+    v = node.srcs["v"]
+    return v.nelements() * 4, v.ne[0] * v.ne[0] * v.ne[1], v.ne[3], node.params["K"]
 
 
 @reference("GATED_DELTA_NET")
