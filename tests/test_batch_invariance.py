@@ -183,6 +183,48 @@ def test_mul_mat_gemm_columns_equal_their_single_column_results(shape, n_threads
                         f"elements differ from its single-column result")
 
 
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: f"K{s[0]}-M{s[1]}-N{s[2]}-{s[5]}-{s[6]}")
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_mul_mat_packed_copy_of_b_gives_the_bytes_of_b_read_in_place(shape, n_threads):
+    """The packed path reads b from the panels MUL_MAT:pack_src1 wrote in the record before the
+    MUL_MAT's (planes merged into columns or not, as the MUL_MAT takes them); with that copy
+    taken away (src[2] NULL) the same jobs run the direct path on b in place: byte-equal."""
+    from minigraph.backends.cpu import ffi, lib
+    K, M, N, (a2, a3), (b2, b3), la, lb = shape
+    rng = np.random.default_rng(K * M + N)
+    b = Built(Context())
+    b.out(mg.mul_mat(_tensor(b, rng.uniform(-1, 1, (a3, a2, M, K)).astype(np.float32), la),
+                     _tensor(b, rng.uniform(-1, 1, (b3, b2, N, K)).astype(np.float32), lb)))
+    be = _backend(n_threads)
+    graphs = []
+    packed = run_built(b, be, graph_hook=graphs.append)[0]
+    plan = be.get_plan(graphs[0].nodes, graphs[0].cache)
+    names = [ffi.string(lib.mg_op_name(plan.records[i].op)).decode() for i in range(plan.n)]
+    assert names == ["MUL_MAT:pack_src1", "MUL_MAT"]
+    assert plan.records[1].src[2].data == plan.records[0].dst.data != ffi.NULL
+    plan.records[1].src[2].data = ffi.NULL
+    be.graph_compute(graphs[0])
+    direct = b.outs[0].numpy()
+    if not np.array_equal(packed.view(np.uint32), direct.view(np.uint32)):
+        pytest.fail(f"{int(np.sum(packed != direct))} elements differ between b packed and b in place")
+
+
+def test_mul_mat_packs_b_only_for_the_packed_path():
+    """Fewer columns than the packed path takes, or weights that are not f32: no packing record."""
+    from minigraph.backends.cpu import ffi, lib
+    rng = np.random.default_rng(5)
+    for t, N in ((mg.f32, 23), (mg.f16, 64), (mg.q8_0, 64)):
+        b = Built(Context())
+        w = b.leaf(t, (64, 16), data=random_data(rng, t, (64, 16)).reshape(16, -1))
+        b.out(mg.mul_mat(w, b.leaf(mg.f32, (64, N), rng=rng)))
+        be = _backend(1)
+        graphs = []
+        run_built(b, be, graph_hook=graphs.append)
+        plan = be.get_plan(graphs[0].nodes, graphs[0].cache)
+        names = [ffi.string(lib.mg_op_name(plan.records[i].op)).decode() for i in range(plan.n)]
+        assert "MUL_MAT:pack_src1" not in names, (t.name, N, names)
+
+
 # -- the per-token ops the runner runs on batches --------------------------------------------
 
 def test_rms_norm_row_is_independent_of_the_batch():

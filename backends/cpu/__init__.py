@@ -123,7 +123,7 @@ class CpuPlan:
         self.sig = sig              # (buffer id, offset) of each root when built
         self.runs = 0
         self.epoch = -1             # bind epoch at which it was last known valid
-        self.work = None            # MUL_MAT src1 conversion buffer (build_plan)
+        self.work = None            # MUL_MAT src1 conversion / packing buffer (build_plan)
         self.stored = None          # the fused state stores' words (build_plan, ssm.c: store_ok)
         self.fused_stores = 0       # how many stores the scans write themselves
 
@@ -278,6 +278,24 @@ class CpuBackend(HostBackend):
         return code, b.ne, (row // max(1, b.ne[0] // blck) if b.ne[0] else row, row, row * b.ne[1],
                             row * b.ne[1] * b.ne[2])
 
+    def _pack_floats(self, node) -> int:
+        """Floats of the packed copy of src1 that an f32 MUL_MAT's prefill path reads (matmul.c:
+        MUL_MAT:pack_src1 writes it in a record before the MUL_MAT's); 0 when the product takes
+        another path. The C code decides, from the record the packing step will have."""
+        if node.op != "MUL_MAT" or node.type != f32 or any(s.type != f32 for s in srcs_of(node).values()):
+            return 0
+        rec = ffi.new("mg_node *")
+        self._fill_pack_sources(rec, node)
+        return int(lib.mg_mul_mat_pack_floats(rec))
+
+    def _fill_pack_sources(self, rec, node):
+        """MUL_MAT:pack_src1's sources: a and b, and the MUL_MAT's dst (whose strides decide, with
+        b's, whether the product takes b's planes as one run of columns)."""
+        rec.n_src = 3
+        self._fill(rec.src[0], srcs_of(node)["a"])
+        self._fill(rec.src[1], srcs_of(node)["b"])
+        self._fill(rec.src[2], node)
+
     @staticmethod
     def _kernel_name(node) -> str:
         """The kernel a node's record runs: its op's, or for a side copy (Tensor.set_side_copy)
@@ -320,15 +338,23 @@ class CpuBackend(HostBackend):
 
         A MUL_MAT with half / block weights and an f32 src1 takes two records: the conversion of
         src1's rows into a work buffer (op "MUL_MAT:src1_to_dot_type"), then the MUL_MAT reading
-        that buffer as its src1. Records run in order and one at a time, so every such MUL_MAT of
-        the plan shares one buffer, sized for the largest; it lives with the plan."""
+        that buffer as its src1. An f32 MUL_MAT with enough columns for the packed prefill path
+        likewise takes two: src1 packed into panels in the work buffer ("MUL_MAT:pack_src1"), then
+        the MUL_MAT reading the panels (its record's src[2]). Records run in order and one at a
+        time, so every such MUL_MAT of the plan shares one buffer, sized for the largest; it lives
+        with the plan."""
         compute = [n for n in nodes if is_compute_node(n)]
         record_nodes = []
         work_bytes = 0
+        packs = {}                   # id(node) -> floats of its packed src1
         for node in compute:
             if self._needs_src1_conversion(node):
                 t, ne, nb = self._work_layout(node)
                 work_bytes = max(work_bytes, nb[3] * ne[3])
+                record_nodes.append(node)
+            elif floats := self._pack_floats(node):
+                packs[id(node)] = floats
+                work_bytes = max(work_bytes, floats * 4)
                 record_nodes.append(node)
             record_nodes.append(node)
         # 64 bytes of slack: the buffer's start is rounded up to a cache line
@@ -352,6 +378,16 @@ class CpuBackend(HostBackend):
                 rec.dst.nb = list(nb)
                 rec.dst.type = t
                 i += 1
+            pack = packs.get(id(node), 0)
+            if pack:
+                rec = records[i]
+                rec.op = self.op_code("MUL_MAT:pack_src1")
+                self._fill_pack_sources(rec, node)
+                rec.dst.data = ffi.cast("char *", work_addr)
+                rec.dst.ne = [pack, 1, 1, 1]
+                rec.dst.nb = [4, 4 * pack, 4 * pack, 4 * pack]
+                rec.dst.type = _TYPE_CODES[f32]
+                i += 1
             rec = records[i]
             i += 1
             rec.op = self.op_code(self._kernel_name(node))
@@ -365,6 +401,8 @@ class CpuBackend(HostBackend):
                     roots[s.root().id] = s.root()
             if convert:   # src1: the converted rows
                 rec.src[1] = records[i - 2].dst
+            if pack:      # src1 packed into panels, beside src1 itself
+                rec.src[2] = records[i - 2].dst
             _params(node, rec)
             at[id(node)] = rec
         fused = self._fused_stores(compute)
@@ -376,7 +414,7 @@ class CpuBackend(HostBackend):
         roots = list(roots.values())
         self.plans_built += 1
         plan = CpuPlan(nodes, records, len(record_nodes), record_nodes, roots, self._signature(roots))
-        plan.work = work             # the conversion buffer: alive as long as the records point into it
+        plan.work = work             # the conversion / packing buffer: alive as long as the records point into it
         plan.stored = stored         # the fused stores' words, likewise
         plan.fused_stores = len(fused)
         plan.epoch = bind_epoch()

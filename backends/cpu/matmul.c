@@ -239,19 +239,23 @@ static void rows_c1(ROWS_PARAMS) {
 }
 
 /* ---- the packed path (many columns: prefill) ----
- * The same chains as above, from packed copies: a job is one block of PMB rows of a (one plane);
- * for each k block it copies the block's rows into a thread-local buffer, pairs of rows
- * interleaved chunk by chunk ([chunk][2][VW]: the micro-kernel reads one sequential stream, and
- * the 16 KiB row stride of a big matrix no longer maps every row to the same cache sets), then
- * for each panel of PC rows of b (read in place: 6 rows of one k block stay in L1; copying them
- * measured slower) runs PR x PC micro-tiles down the block (kept in L2), prefetching the next
- * panel's rows and the next block's rows of a as it goes. The last partial chunk of a block is
- * packed zero-padded, and b's is loaded masked: the same fma as the direct path's. PR x PC =
- * 2 x 6 holds 12 accumulators + 2 + 1 vectors in AVX2's 16 registers; each k step is 12 fmas
- * for 8 loads. Measured on a Zen 3 core: the micro-kernel alone ~93 GFLOP/s; the whole
- * 4096x4096x512 product ~0.9x OpenBLAS's single-thread sgemm (which is near the core's peak).
- * AVX-512 runs 4 x 6 tiles (24 accumulators of 32 registers: 24 fmas for 10 loads) and sums two
- * rows x two columns per vsum4, as AVX2's 2 x 6 does. */
+ * The same chains as above, from packed copies of both operands. b is packed once per node by
+ * the step MUL_MAT:pack_src1 (a record before the MUL_MAT's, all threads, into the plan's work
+ * buffer): per plane and k block, its columns in panels of PC, each panel [chunk][PC][VW], so
+ * that the micro-kernel reads its columns as one sequential stream. Read in place instead, the
+ * PC rows of b sit ldb bytes apart (16 KiB for K 4096: every row in the same L1 sets) and the
+ * next panel has to come from L3 as PC separate streams; measured on this Zen 3 core (a C loop
+ * over mg_k_mul_mat against OpenBLAS's sgemm in one process, 1 thread, 4096x4096 by 512, the
+ * packing timed with the product): OpenBLAS/minigraph 0.78-0.84 in place, 0.90-0.94 packed.
+ * A job is one block of PMB rows of a (one plane); for each k block it copies the block's rows
+ * into a thread-local buffer, pairs of rows interleaved chunk by chunk ([chunk][2][VW]), then
+ * for each panel of b runs PR x PC micro-tiles down the block (kept in L2), prefetching the next
+ * panel and the next block's rows of a as it goes. The last partial chunk of a block is packed
+ * zero-padded on both sides: the same fma as the direct path's masked loads. PR x PC = 2 x 6
+ * holds 12 accumulators + 2 + 1 vectors in AVX2's 16 registers; each k step is 12 fmas for 8
+ * loads. AVX-512 runs 4 x 6 tiles (24 accumulators of 32 registers: 24 fmas for 10 loads) and
+ * sums two rows x two columns per vsum4, as AVX2's 2 x 6 does. Without the packed copy of b
+ * (none given, or no buffer for a) the jobs run the direct path. */
 /* keep a loaded vector in a register: left alone, the compiler folds the load into each fma
  * that uses it (R loads of the same b per k step instead of one) and the loop is load-bound */
 #if defined(__GNUC__) && (defined(__AVX2__) || defined(__AVX512F__))
@@ -345,33 +349,21 @@ static void pack_group(float *out, const char *base, int64_t ld, int64_t r0, int
     }
 }
 
-/* R packed rows of a x C rows of b (read in place, bs[jj] at this k block) over kk floats, into
+/* R packed rows of a x a packed panel of C columns of b, over kk floats (nch chunks), into
  * dst rows i.., columns j..: first k block: dst = 0 + part, later ones: dst = dst + part (the
- * order of tile_store). The partial last chunk loads b masked; a is zero-padded there. */
-static inline __attribute__((always_inline)) void ukernel(const float *Ap, const int R, const float *const *bs, const int C,
-                                                          int64_t kk, char *dp, int64_t ldd, int64_t i, int64_t j,
+ * order of tile_store). Partial chunks are zero-padded in both copies. */
+static inline __attribute__((always_inline)) void ukernel(const float *Ap, const int R, const float *Bp, const int C,
+                                                          int64_t nch, char *dp, int64_t ldd, int64_t i, int64_t j,
                                                           int first) {
     vf acc[PR][PC];
     for (int q = 0; q < R; q++)
         for (int c = 0; c < C; c++) acc[q][c] = VZERO();
-    const float *B[PC];
-    for (int jj = 0; jj < C; jj++) B[jj] = bs[jj];
-    int64_t k = 0;
-    for (; k + VW <= kk; k += VW, Ap += R * VW) {
+    for (int64_t k = 0; k < nch; k++, Ap += R * VW, Bp += C * VW) {
         vf a[PR];
         for (int q = 0; q < R; q++) a[q] = VLOAD(Ap + q * VW);
         for (int jj = 0; jj < C; jj++) {
-            vf b = VLOAD(B[jj] + k);
+            vf b = VLOAD(Bp + jj * VW);
             MG_IN_REGISTER(b);
-            for (int q = 0; q < R; q++) acc[q][jj] = VFMA(acc[q][jj], a[q], b);
-        }
-    }
-    if (k < kk) {
-        const vmask m = vmask_first(kk - k);
-        vf a[PR];
-        for (int q = 0; q < R; q++) a[q] = VLOAD(Ap + q * VW);
-        for (int jj = 0; jj < C; jj++) {
-            const vf b = VLOADM(B[jj] + k, m);
             for (int q = 0; q < R; q++) acc[q][jj] = VFMA(acc[q][jj], a[q], b);
         }
     }
@@ -397,8 +389,9 @@ static inline __attribute__((always_inline)) void ukernel(const float *Ap, const
     }
 }
 
-/* Prefetching what comes next while a panel runs, a few cache lines per micro-tile: the rows of
- * b of the next panel (from L3), and the rows of a the next packing copies (from memory). */
+/* Prefetching what comes next while a panel runs, a few cache lines per micro-tile: the next
+ * packed panel of b (from L3, into L1: PF_B lines per tile spread it over the panel's tiles),
+ * and the rows of a the next packing copies (from memory, into L2). */
 typedef struct {
     const char *row;          /* the current row's first byte (NULL: nothing to prefetch) */
     int64_t ld, bytes, off;   /* row stride; bytes per row; next offset in the row */
@@ -426,18 +419,21 @@ static inline void pf_next(prefetcher *p, int count, int hint_l1) {
 }
 
 #define UK_CASE(R, C) case C: for (; g + R <= m1; g += R, Ag += nch * R * VW) { \
-        ukernel(Ag, R, bs, C, kk, dp, ldd, g, j, first); pf_next(pb, PF_B, PF_B_L1); pf_next(pa, PF_A, 0); } break;
+        ukernel(Ag, R, Bp, C, nch, dp, ldd, g, j, first); pf_next(pb, PF_B, PF_B_L1); pf_next(pa, PF_A, 0); } break;
+/* lines per micro-tile. Measured on this Zen 3 core (4096x4096 by 512 against OpenBLAS in one
+ * process, 3-4 runs each): b 3 into L1 (the panel spread evenly over its tiles) 0.90-0.94,
+ * 6 into L2 (front-loaded) 0.86-0.89; a 2 0.91-0.94, 1 0.89-0.92, 4 0.88-0.91 */
 #ifndef PF_B
-#define PF_B 6
+#define PF_B 3
 #endif
 #ifndef PF_A
-#define PF_A 1
+#define PF_A 2
 #endif
 #ifndef PF_B_L1
-#define PF_B_L1 0
+#define PF_B_L1 1
 #endif
-/* the row groups [m0, m1) of the packed block against C columns of b */
-static void panel_rows(const float *Ap, const float *const *bs, int C, int64_t kk, int64_t nch, char *dp, int64_t ldd,
+/* the row groups [m0, m1) of the packed block against a packed panel of C columns of b */
+static void panel_rows(const float *Ap, const float *Bp, int C, int64_t nch, char *dp, int64_t ldd,
                        int64_t m0, int64_t m1, int64_t j, int first, prefetcher *pb, prefetcher *pa) {
     int64_t g = m0;
     const float *Ag = Ap;
@@ -452,12 +448,25 @@ static void panel_rows(const float *Ap, const float *const *bs, int C, int64_t k
     }
 }
 
-/* the packed path for jobs [j0, j1) of (plane, block of PMB rows); 0 when no buffer could be had */
-static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, int64_t j0, int64_t j1) {
+/* b's packed copy: per plane of b, per k block, the columns' chunks, panel by panel (a panel is
+ * PC columns, fewer at the end of a slab of PNS, each [chunk][C][VW], zero-padded past K). A
+ * panel starting at column j of k block kb takes the floats from j * nch(kb) * VW on in its
+ * block's region, so the panels of a block tile it without gaps. */
+static int64_t packed_block_floats(int64_t K, int64_t N) { return N * ((mg_min64(KB, K) + VW - 1) / VW) * VW; }
+
+static const float *packed_panel(const float *bk, int64_t K, int64_t N, int64_t p, int64_t k0, int64_t j) {
+    const int64_t nkb = (K + KB - 1) / KB, nch = (mg_min64(KB, K - k0) + VW - 1) / VW;
+    return bk + (p * nkb + k0 / KB) * packed_block_floats(K, N) + j * nch * VW;
+}
+
+/* the packed path for jobs [j0, j1) of (plane, block of PMB rows), b read from its packed copy
+ * bk; 0 when no buffer for a could be had */
+static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const float *bk, const mg_tensor *d, int64_t j0,
+                          int64_t j1) {
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t mblk = (M + PMB - 1) / PMB;
-    const int64_t lda = a->nb[1], ldb = b->nb[1], ldd = d->nb[1];
+    const int64_t lda = a->nb[1], ldd = d->nb[1];
     const int64_t nchmax = (mg_min64(KB, K) + VW - 1) / VW;
     float *Ap = pack_space((size_t)PMB * nchmax * VW + (size_t)PMB * PNS);
     if (Ap == NULL) return 0;
@@ -467,7 +476,6 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const mg_tenso
         const int64_t i2 = p % b->ne[2], i3 = p / b->ne[2];
         const int64_t m0 = mb * PMB, m1 = mg_min64(m0 + PMB, M);
         const char *ap = mg_ptr(a, 0, 0, i2 / r2, i3 / r3);
-        const char *bp = mg_ptr(b, 0, 0, i2, i3);
         char *dp = mg_ptr(d, 0, 0, i2, i3);
         for (int64_t n0 = 0; n0 < N; n0 += PNS) {
             const int64_t n1 = mg_min64(n0 + PNS, N);
@@ -485,13 +493,11 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const mg_tenso
                        mg_min64(KB, K - kn) * (int64_t)sizeof(float));
                 for (int64_t j = n0; j < n1; j += PC) {
                     const int C = (int)mg_min64(PC, n1 - j);
-                    const float *bs[PC];
-                    for (int jj = 0; jj < C; jj++) bs[jj] = (const float *)(bp + (j + jj) * ldb) + k0;
-                    const int64_t jn = j + PC;
-                    pf_set(&pb, jn < n1 ? bp + jn * ldb + k0 * (int64_t)sizeof(float) : NULL, ldb,
-                           mg_min64(PC, n1 - jn), kk * (int64_t)sizeof(float));
-                    panel_rows(Ap, bs, C, kk, nch, (char *)rb, PMB * sizeof(float), 0, m1 - m0, j - n0, k0 == 0,
-                               &pb, &pa);
+                    const int64_t jn = j + PC;   /* the next panel: one run of floats */
+                    pf_set(&pb, jn < n1 ? (const char *)packed_panel(bk, K, N, p, k0, jn) : NULL, 0, 1,
+                           mg_min64(PC, n1 - jn) * nch * VW * (int64_t)sizeof(float));
+                    panel_rows(Ap, packed_panel(bk, K, N, p, k0, j), C, nch, (char *)rb, PMB * sizeof(float), 0,
+                               m1 - m0, j - n0, k0 == 0, &pb, &pa);
                 }
             }
             for (int64_t j = n0; j < n1; j++)
@@ -572,7 +578,53 @@ static void merge_planes(const mg_tensor *a, mg_tensor *b, mg_tensor *d) {
     d->nb[2] = d->nb[3] = sd * cols;
 }
 
-/* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense */
+/* whether an f32 product of these operands (planes merged) takes the packed path */
+static int takes_packed_path(const mg_tensor *a, const mg_tensor *b) {
+    return a->type == MG_F32 && b->type == MG_F32 && b->ne[1] >= PACKED_MIN_N && a->ne[0] > 0;
+}
+
+int64_t mg_mul_mat_pack_floats(const mg_node *n) {
+    mg_tensor b = n->src[1], d = n->src[2];
+    merge_planes(&n->src[0], &b, &d);
+    if (!takes_packed_path(&n->src[0], &b)) return 0;
+    const int64_t K = n->src[0].ne[0];
+    return b.ne[2] * b.ne[3] * ((K + KB - 1) / KB) * packed_block_floats(K, b.ne[1]);
+}
+
+/* MUL_MAT:pack_src1: src[0] = a, src[1] = b, src[2] = the MUL_MAT's dst (their shapes decide,
+ * as in the MUL_MAT, whether planes merge into columns), dst = b's packed copy (the work
+ * buffer). Threads split the columns; each copies its column's chunks of every k block into
+ * its panel (the layout of packed_panel), zero-padding the last partial chunk of a block. */
+static void mg_k_mul_mat_pack_src1(const mg_node *n, int ith, int nth) {
+    const mg_tensor *a = &n->src[0];
+    mg_tensor b = n->src[1], d = n->src[2];
+    merge_planes(a, &b, &d);
+    if (!takes_packed_path(a, &b)) return;
+    const int64_t K = a->ne[0], N = b.ne[1];
+    float *bk = (float *)n->dst.data;
+    int64_t c0, c1;
+    mg_split(b.ne[2] * b.ne[3] * N, ith, nth, &c0, &c1);
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t p = c / N, col = c % N;
+        const float *src = (const float *)mg_ptr(&b, 0, col, p % b.ne[2], p / b.ne[2]);
+        const int64_t n0 = col / PNS * PNS, n1 = mg_min64(n0 + PNS, N);
+        const int64_t j = n0 + (col - n0) / PC * PC, C = mg_min64(PC, n1 - j);
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kk = mg_min64(KB, K - k0), nch = (kk + VW - 1) / VW;
+            float *o = (float *)packed_panel(bk, K, N, p, k0, j) + (col - j) * VW;
+            int64_t ch = 0;
+            for (; (ch + 1) * VW <= kk; ch++) memcpy(o + ch * C * VW, src + k0 + ch * VW, VW * sizeof(float));
+            if (ch < nch) {
+                float *t = o + ch * C * VW;
+                const int64_t rem = kk - ch * VW;
+                for (int64_t e = 0; e < VW; e++) t[e] = e < rem ? src[k0 + ch * VW + e] : 0.0f;
+            }
+        }
+    }
+}
+
+/* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense;
+ * src[2]: for the packed path, b's packed copy (MUL_MAT:pack_src1's dst; data NULL: none) */
 void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     mg_tensor bm = n->src[1], dm = n->dst;
@@ -580,14 +632,15 @@ void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
     const mg_tensor *b = &bm;
     const mg_tensor *d = &dm;
     if (a->type != MG_F32) { mg_mul_mat_blocks(a, b, d, ith, nth); return; }   /* quant_matmul.c */
-    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+    const int64_t M = a->ne[1], N = b->ne[1];
     const int64_t planes = b->ne[2] * b->ne[3];
     int64_t j0, j1;
-    if (N >= PACKED_MIN_N && K > 0) {   /* jobs: (plane, block of PMB rows) x every column */
+    if (takes_packed_path(a, b)) {   /* jobs: (plane, block of PMB rows) x every column */
         const int64_t mblk = (M + PMB - 1) / PMB;
         mg_split(planes * mblk, ith, nth, &j0, &j1);
-        if (mul_mat_packed(a, b, d, j0, j1)) return;
-        for (int64_t job = j0; job < j1; job++) {   /* no packing buffer: the same jobs, directly */
+        const float *bk = (const float *)n->src[2].data;
+        if (bk != NULL && mul_mat_packed(a, b, bk, d, j0, j1)) return;
+        for (int64_t job = j0; job < j1; job++) {   /* no packed copy: the same jobs, directly */
             const int64_t m0 = job % mblk * PMB;
             for (int64_t n0 = 0; n0 < N; n0 += NB)
                 direct_block(a, b, d, job / mblk, m0, mg_min64(m0 + PMB, M), n0, mg_min64(n0 + NB, N));
@@ -604,3 +657,8 @@ void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
 }
 
 MG_KERNEL(MUL_MAT, mg_k_mul_mat, NULL)
+
+/* an internal step of MUL_MAT, not a registry op: the name says whose ("OP:step") */
+__attribute__((constructor)) static void mg_register_pack_src1(void) {
+    mg_register_kernel("MUL_MAT:pack_src1", mg_k_mul_mat_pack_src1, NULL);
+}

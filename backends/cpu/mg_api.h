@@ -72,5 +72,9 @@ int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AV
  * once converted (-1: no conversion, f32 weights) and the bytes of one converted row of k values */
 int mg_work_type(int t);
 int64_t mg_work_row_bytes(int t, int64_t k);
+/* an f32 MUL_MAT given as a record with src[0] = a, src[1] = b, src[2] = dst (the layout of the
+ * step MUL_MAT:pack_src1): the floats of b's packed copy its prefill path reads (0: that path
+ * does not run for this shape, no copy) */
+int64_t mg_mul_mat_pack_floats(const mg_node *n);
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);
