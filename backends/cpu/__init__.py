@@ -281,8 +281,9 @@ class CpuBackend(HostBackend):
     def _pack_floats(self, node) -> int:
         """Floats of the packed copy of src1 that an f32 MUL_MAT's prefill path reads (matmul.c:
         MUL_MAT:pack_src1 writes it in a record before the MUL_MAT's); 0 when the product takes
-        another path. The C code decides, from the record the packing step will have."""
-        if node.op != "MUL_MAT" or node.type != f32 or any(s.type != f32 for s in srcs_of(node).values()):
+        another path. The C code decides (types, columns, planes merged), from the record the
+        packing step will have."""
+        if node.op != "MUL_MAT":
             return 0
         rec = ffi.new("mg_node *")
         self._fill_pack_sources(rec, node)

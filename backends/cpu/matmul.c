@@ -593,32 +593,27 @@ int64_t mg_mul_mat_pack_floats(const mg_node *n) {
 
 /* MUL_MAT:pack_src1: src[0] = a, src[1] = b, src[2] = the MUL_MAT's dst (their shapes decide,
  * as in the MUL_MAT, whether planes merge into columns), dst = b's packed copy (the work
- * buffer). Threads split the columns; each copies its column's chunks of every k block into
- * its panel (the layout of packed_panel), zero-padding the last partial chunk of a block. */
+ * buffer). Threads split the panels (PC columns from the start of each slab of PNS); each panel
+ * of every k block is packed as a's row groups are (pack_group: [chunk][C][VW], the last partial
+ * chunk zero-padded), at the place packed_panel gives it. */
 static void mg_k_mul_mat_pack_src1(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     mg_tensor b = n->src[1], d = n->src[2];
     merge_planes(a, &b, &d);
     if (!takes_packed_path(a, &b)) return;
     const int64_t K = a->ne[0], N = b.ne[1];
-    float *bk = (float *)n->dst.data;
-    int64_t c0, c1;
-    mg_split(b.ne[2] * b.ne[3] * N, ith, nth, &c0, &c1);
-    for (int64_t c = c0; c < c1; c++) {
-        const int64_t p = c / N, col = c % N;
-        const float *src = (const float *)mg_ptr(&b, 0, col, p % b.ne[2], p / b.ne[2]);
-        const int64_t n0 = col / PNS * PNS, n1 = mg_min64(n0 + PNS, N);
-        const int64_t j = n0 + (col - n0) / PC * PC, C = mg_min64(PC, n1 - j);
+    const int64_t per_slab = (PNS + PC - 1) / PC, panels = N / PNS * per_slab + (N % PNS + PC - 1) / PC;
+    int64_t q0, q1;
+    mg_split(b.ne[2] * b.ne[3] * panels, ith, nth, &q0, &q1);
+    for (int64_t q = q0; q < q1; q++) {
+        const int64_t p = q / panels, in = q % panels;
+        const int64_t n0 = in / per_slab * PNS, j = n0 + in % per_slab * PC;
+        const int C = (int)mg_min64(PC, mg_min64(n0 + PNS, N) - j);
+        const char *bp = mg_ptr(&b, 0, 0, p % b.ne[2], p / b.ne[2]);
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
             const int64_t kk = mg_min64(KB, K - k0), nch = (kk + VW - 1) / VW;
-            float *o = (float *)packed_panel(bk, K, N, p, k0, j) + (col - j) * VW;
-            int64_t ch = 0;
-            for (; (ch + 1) * VW <= kk; ch++) memcpy(o + ch * C * VW, src + k0 + ch * VW, VW * sizeof(float));
-            if (ch < nch) {
-                float *t = o + ch * C * VW;
-                const int64_t rem = kk - ch * VW;
-                for (int64_t e = 0; e < VW; e++) t[e] = e < rem ? src[k0 + ch * VW + e] : 0.0f;
-            }
+            pack_group((float *)packed_panel((const float *)n->dst.data, K, N, p, k0, j), bp, b.nb[1], j, C, k0, kk,
+                       nch);
         }
     }
 }
