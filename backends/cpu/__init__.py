@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -155,6 +156,7 @@ class CpuBackend(HostBackend):
         self._addrs = weakref.WeakKeyDictionary()   # Buffer -> (cdata keeping mem alive, address)
         self._plans: OrderedDict = OrderedDict()
         self.plans_built = 0
+        self._tls = threading.local()   # each Python thread's mg_error (one allocation, not one per run)
 
     def set_n_threads(self, n: int) -> "CpuBackend":
         """Threads per plan run (the caller's and n - 1 pool workers). n must be an integer from
@@ -423,8 +425,10 @@ class CpuBackend(HostBackend):
 
     def run_plan(self, plan: CpuPlan):
         """Execute every record of ``plan`` in one call into C."""
-        err = ffi.new("mg_error *")
-        rc = lib.mg_plan_run(plan.records, plan.n, int(self.n_threads), err)
+        err = getattr(self._tls, "err", None)
+        if err is None:
+            err = self._tls.err = ffi.new("mg_error *")
+        rc = lib.mg_plan_run(plan.records, plan.n, self.n_threads, err)
         plan.runs += 1
         if rc != 0:
             self._raise(plan, err)
