@@ -1,6 +1,7 @@
 """ROPE beyond the op table: a token's rows are bit-identical whatever else is in the batch (the
-cpu kernel builds each row's angles from its own position), the reference agrees with a plain
-float64 rotation written from the formula, and ggml's asserts are OpErrors."""
+cpu kernel builds a row's angles from its own position, shared by the heads of a token), the
+reference agrees with a plain float64 rotation written from the formula, and ggml's asserts are
+OpErrors."""
 from __future__ import annotations
 
 import numpy as np
@@ -95,3 +96,25 @@ def test_rope_rules_are_op_errors():
         mg.rope_multi(q, ctx.new_tensor_1d(mg.i32, 12), None, 4, [1, 1, 0, 0], 24, 0, 1e4, 1.0, 0.0, 1.0, 0.0, 0.0)
     with pytest.raises(mg.OpError, match="rows must be contiguous"):
         mg.rope(mg.transpose(ctx.new_tensor_3d(mg.f32, 3, 8, 3)), pos, 2, 0)
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_rope_rows_longer_than_the_angle_cache(mode):
+    """n_dims 1200 (600 pairs: past the 512 pairs the cpu kernel shares between a token's heads,
+    so it computes them row by row): the formula, and a token alone equals it in a batch."""
+    rng = np.random.default_rng(20 + mode)
+    x = rng.uniform(-1, 1, (5, 3, 1280)).astype(np.float32)
+    pos = rng.integers(0, 200, (1, 5)).astype(np.int32)
+
+    def run(xs, ps, be):
+        b = Built(Context())
+        a = b.leaf(mg.f32, (xs.shape[2], xs.shape[1], xs.shape[0]), data=xs)
+        p = b.leaf(mg.i32, (ps.size,), data=ps.reshape(-1))
+        b.out(mg.rope_ext(a, p, None, 1200, mode, 4096, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0))
+        return run_built(b, be)[0].reshape(xs.shape)
+    one = cpu.CpuBackend(310).set_n_threads(1)
+    got = run(x, pos, cpu.CpuBackend(312).set_n_threads(2))
+    assert np.max(np.abs(got - _formula(x, pos, mode, None, 1200, 10000.0))) < 1e-4
+    assert np.array_equal(got[:, :, 1200:], x[:, :, 1200:])
+    for t in range(5):
+        assert np.array_equal(run(x[t:t + 1], pos[:, t:t + 1], one)[0], got[t]), t

@@ -5,8 +5,10 @@
  *   dst        [ne0, n_head, n_tok, ne3]
  * fp = {freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow}
  * ip = {n_dims, mode, n_ctx_orig, sec_t, sec_h, sec_w, sec_e}
- * Each row recomputes its angles from its own position (no cache shared between rows), so a
- * row's result does not depend on which other rows or tokens are in the batch. Angles follow
+ * A row's angles are a function of its own position alone: the heads of one token (consecutive
+ * rows) share them, computed once per token and chunk (up to ROPE_CACHE pairs; longer rows compute
+ * them row by row), so a row's result does not depend on which other rows or tokens are in the
+ * batch or on the thread split. Angles follow
  * ggml's f32 steps: theta_k = p * theta_scale^k by repeated multiplication, YaRN ramp and mscale.
  * ggml's CPU library is built with FMA contraction: a*b + c*d rounds as fmaf(a, b, c*d) there.
  * The same fmaf calls here (and cosf/sinf, the same libm) make NEOX, MROPE and IMROPE bit-identical
@@ -14,6 +16,8 @@
  * odd last pair without FMA (an artefact of that build, not a rule): that pair differs by an ulp
  * or so; minigraph fuses every pair. */
 #include "mg.h"
+
+#define ROPE_CACHE 512   /* pairs whose angles a chunk keeps (n_dims up to 1024) */
 
 enum { ROPE_NORMAL = 0, ROPE_NEOX = 2, ROPE_MROPE = 8, ROPE_IMROPE = 40 };
 
@@ -56,6 +60,9 @@ static void mg_k_rope(const mg_node *n, int ith, int nth) {
     float mscale = attn_factor;
     if (ext_factor != 0.0f) mscale *= fmaf(0.1f, logf(1.0f / freq_scale), 1.0f);
 
+    /* cos and sin (times mscale) of pair k's angle for the token cached_i2 */
+    float cs_c[ROPE_CACHE], sn_c[ROPE_CACHE];
+    int64_t cached_i2 = -1;
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
@@ -65,22 +72,41 @@ static void mg_k_rope(const mg_node *n, int ith, int nth) {
         char *y = mg_ptr(d, 0, i1, i2, i3);         /* [ne0] */
         float theta[4] = {0, 0, 0, 0};
         for (int s = 0; s < (multi ? 4 : 1); s++) theta[s] = (float)pos[i2 + s * n_tok];
-        for (int64_t k = 0; k < half; k++) {
-            const float extrap = theta[multi ? rope_stream(mode, k, sec) : 0] / (ff ? ff[k] : 1.0f);
-            const float interp = freq_scale * extrap;
-            float th = interp;
-            if (ext_factor != 0.0f) {
-                const float ry = (k - low) / rope_max(0.001f, high - low);
-                const float mix = (1 - rope_min(1, rope_max(0, ry))) * ext_factor;
-                th = fmaf(interp, 1 - mix, extrap * mix);
+        for (int64_t k0 = 0; k0 < half; k0 += ROPE_CACHE) {
+            const int64_t kn = mg_min64(ROPE_CACHE, half - k0);
+            if (half > ROPE_CACHE || cached_i2 != i2) {
+                for (int64_t k = k0; k < k0 + kn; k++) {
+                    const float extrap = theta[multi ? rope_stream(mode, k, sec) : 0] / (ff ? ff[k] : 1.0f);
+                    const float interp = freq_scale * extrap;
+                    float th = interp;
+                    if (ext_factor != 0.0f) {
+                        const float ry = (k - low) / rope_max(0.001f, high - low);
+                        const float mix = (1 - rope_min(1, rope_max(0, ry))) * ext_factor;
+                        th = fmaf(interp, 1 - mix, extrap * mix);
+                    }
+                    cs_c[k - k0] = cosf(th) * mscale;
+                    sn_c[k - k0] = sinf(th) * mscale;
+                    for (int s = 0; s < 4; s++) theta[s] *= theta_scale;
+                }
+                cached_i2 = half > ROPE_CACHE ? -1 : i2;
             }
-            const float cs = cosf(th) * mscale, sn = sinf(th) * mscale;
-            /* NORMAL rotates the adjacent pair (2k, 2k+1), the others (k, k + n_dims/2) */
-            const int64_t j0 = mode == ROPE_NORMAL ? 2 * k : k, j1 = mode == ROPE_NORMAL ? 2 * k + 1 : k + half;
-            const float x0 = mg_load_f32(x + j0 * a->nb[0]), x1 = mg_load_f32(x + j1 * a->nb[0]);
-            mg_store_f32(y + j0 * d->nb[0], fmaf(x0, cs, -(x1 * sn)));
-            mg_store_f32(y + j1 * d->nb[0], fmaf(x0, sn, x1 * cs));
-            for (int s = 0; s < 4; s++) theta[s] *= theta_scale;
+            /* NORMAL rotates the adjacent pair (2k, 2k+1), the others (k, k + n_dims/2); rows
+             * are dense, and a loop per layout without a branch vectorises */
+            const float *xf = (const float *)x;
+            float *yf = (float *)y;
+            if (mode == ROPE_NORMAL) {
+                for (int64_t k = k0; k < k0 + kn; k++) {
+                    const float cs = cs_c[k - k0], sn = sn_c[k - k0], x0 = xf[2 * k], x1 = xf[2 * k + 1];
+                    yf[2 * k] = fmaf(x0, cs, -(x1 * sn));
+                    yf[2 * k + 1] = fmaf(x0, sn, x1 * cs);
+                }
+            } else {
+                for (int64_t k = k0; k < k0 + kn; k++) {
+                    const float cs = cs_c[k - k0], sn = sn_c[k - k0], x0 = xf[k], x1 = xf[k + half];
+                    yf[k] = fmaf(x0, cs, -(x1 * sn));
+                    yf[k + half] = fmaf(x0, sn, x1 * cs);
+                }
+            }
         }
         for (int64_t i = n_dims; i < ne0; i++) mg_store_f32(y + i * d->nb[0], mg_load_f32(x + i * a->nb[0]));
     }
