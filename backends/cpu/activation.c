@@ -19,9 +19,9 @@ static void mg_k_gelu(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0], *d = &n->dst;
     int64_t r0, r1;
     mg_split(mg_nrows(d), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(d, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+    if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
         const float *s = (const float *)mg_ptr(a, 0, i1, i2, i3);   /* [ne0] */
         float *y = (float *)mg_ptr(d, 0, i1, i2, i3);               /* [ne0] */
         for (int64_t i = 0; i < d->ne[0]; i++) y[i] = gelu_f16_table(s[i]);

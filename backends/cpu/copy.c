@@ -120,9 +120,9 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
          * destination, so source row r starts at value r * ne00 of the destination */
         int64_t r0, r1;
         mg_split(mg_nrows(a), ith, nth, &r0, &r1);
-        for (int64_t r = r0; r < r1; r++) {
-            int64_t i1, i2, i3;
-            mg_row_coords(a, r, &i1, &i2, &i3);
+        int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+        if (r0 < r1) mg_row_coords(a, r0, &i1, &i2, &i3);
+        for (int64_t r = r0; r < r1; r++, mg_row_next(a, &i1, &i2, &i3)) {
             const int64_t off = (r * a->ne[0]) / mg_blck_size(dt) * mg_type_size(dt);
             mg_convert_row(d->data + off, mg_type_size(dt), dt, mg_ptr(a, 0, i1, i2, i3), a->nb[0], st, a->ne[0]);
         }
@@ -159,9 +159,9 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
         /* row by row */
         int64_t r0, r1;
         mg_split(mg_nrows(d), ith, nth, &r0, &r1);
-        for (int64_t r = r0; r < r1; r++) {
-            int64_t i1, i2, i3;
-            mg_row_coords(d, r, &i1, &i2, &i3);
+        int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+        if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+        for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
             mg_convert_row(mg_ptr(d, 0, i1, i2, i3), d->nb[0], dt, mg_ptr(a, 0, i1, i2, i3), a->nb[0], st, d->ne[0]);
         }
         return;
@@ -176,9 +176,9 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
     int64_t c1 = q % d->ne[1];  q /= d->ne[1];
     int64_t c2 = q % d->ne[2];
     int64_t c3 = q / d->ne[2];
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(a, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+    if (r0 < r1) mg_row_coords(a, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(a, &i1, &i2, &i3)) {
         const char *srow = mg_ptr(a, 0, i1, i2, i3);
         int64_t i0 = 0;
         while (i0 < ne00) {
@@ -245,9 +245,9 @@ void mg_k_repeat(const mg_node *n, int ith, int nth) {
     if (mg_nelements(a) <= 0) return;
     int64_t r0, r1;
     mg_split(mg_nrows(d), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(d, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+    if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
         char *drow = mg_ptr(d, 0, i1, i2, i3);
         const char *srow = mg_ptr(a, 0, i1 % a->ne[1], i2 % a->ne[2], i3 % a->ne[3]);
         for (int64_t k = 0; k < d->ne[0]; k += a->ne[0])

@@ -226,9 +226,9 @@ static void row_softplus(const float *s, float *d, int64_t n) {
         const mg_tensor *d = &n->dst;                                               \
         int64_t r0, r1;                                                             \
         mg_split(mg_nrows(d), ith, nth, &r0, &r1);                                  \
-        for (int64_t r = r0; r < r1; r++) {                                         \
-            int64_t i1, i2, i3;                                                     \
-            mg_row_coords(d, r, &i1, &i2, &i3);                                     \
+        int64_t i1 = 0, i2 = 0, i3 = 0;                                             \
+        if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);                           \
+        for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {          \
             ROW((const float *)mg_ptr(a, 0, i1, i2, i3),                            \
                 (float *)mg_ptr(d, 0, i1, i2, i3), d->ne[0]);                       \
         }                                                                           \
@@ -253,9 +253,9 @@ float mg_exp(float x) { return exp1(x); }
         const int64_t ne0 = d->ne[0];                                               \
         int64_t r0, r1;                                                             \
         mg_split(mg_nrows(d), ith, nth, &r0, &r1);                                  \
-        for (int64_t r = r0; r < r1; r++) {                                         \
-            int64_t i1, i2, i3;                                                     \
-            mg_row_coords(d, r, &i1, &i2, &i3);                                     \
+        int64_t i1 = 0, i2 = 0, i3 = 0;                                             \
+        if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);                           \
+        for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {          \
             const float *s = (const float *)mg_ptr(a, 0, i1, i2, i3); /* [ne0] */   \
             float *dr = (float *)mg_ptr(d, 0, i1, i2, i3);            /* [ne0] */   \
             for (int64_t i = 0; i < ne0; i++) { const float x = s[i]; dr[i] = (EXPR); } \
@@ -290,14 +290,23 @@ MG_UNARY(SQRT, sqrtf(x))
         if (ne10 <= 0 || b->ne[1] <= 0 || b->ne[2] <= 0 || b->ne[3] <= 0) return;                    \
         int64_t r0, r1;                                                                              \
         mg_split(mg_nrows(d), ith, nth, &r0, &r1);                                                   \
+        if (r0 >= r1) return;                                                                        \
+        /* dst's row coordinates and b's (modulo its extents) move row by row, no divisions */      \
+        int64_t i1, i2, i3;                                                                          \
+        mg_row_coords(d, r0, &i1, &i2, &i3);                                                         \
+        int64_t j1 = i1 % b->ne[1], j2 = i2 % b->ne[2], j3 = i3 % b->ne[3];                          \
         for (int64_t r = r0; r < r1; r++) {                                                          \
-            int64_t i1, i2, i3;                                                                      \
-            mg_row_coords(d, r, &i1, &i2, &i3);                                                      \
             const float *ar = (const float *)mg_ptr(a, 0, i1, i2, i3);                  /* [ne0] */  \
-            const float *br = (const float *)mg_ptr(b, 0, i1 % b->ne[1], i2 % b->ne[2], \
-                                                    i3 % b->ne[3]);                     /* [ne10] */ \
+            const float *br = (const float *)mg_ptr(b, 0, j1, j2, j3);                  /* [ne10] */ \
             float *dr = (float *)mg_ptr(d, 0, i1, i2, i3);                              /* [ne0] */  \
             BIN_LOOP(OP);                                                                            \
+            if (++i1 == d->ne[1]) {                                                                  \
+                i1 = j1 = 0;                                                                         \
+                if (++i2 == d->ne[2]) {                                                              \
+                    i2 = j2 = 0; ++i3;                                                               \
+                    if (++j3 == b->ne[3]) j3 = 0;                                                    \
+                } else if (++j2 == b->ne[2]) j2 = 0;                                                 \
+            } else if (++j1 == b->ne[1]) j1 = 0;                                                     \
         }                                                                                            \
     }                                                                                                \
     MG_KERNEL(NAME, mg_k_binary_##NAME, NULL)
@@ -316,9 +325,9 @@ static void mg_k_scale(const mg_node *n, int ith, int nth) {
     const int64_t ne0 = d->ne[0];
     int64_t r0, r1;
     mg_split(mg_nrows(d), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(d, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;
+    if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
         const float *ar = (const float *)mg_ptr(a, 0, i1, i2, i3);  /* [ne0] */
         float *dr = (float *)mg_ptr(d, 0, i1, i2, i3);              /* [ne0] */
         if (bias == 0.0f) {

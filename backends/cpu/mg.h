@@ -99,6 +99,15 @@ static inline void mg_row_coords(const mg_tensor *t, int64_t r, int64_t *i1, int
     *i3 = r / t->ne[2];
 }
 
+/* the row after (i1, i2, i3) in t's row order: what mg_row_coords(t, r + 1) gives, without its
+ * divisions (three per row cost more than a short row's work) */
+static inline void mg_row_next(const mg_tensor *t, int64_t *i1, int64_t *i2, int64_t *i3) {
+    if (++*i1 == t->ne[1]) {
+        *i1 = 0;
+        if (++*i2 == t->ne[2]) { *i2 = 0; ++*i3; }
+    }
+}
+
 static inline char *mg_ptr(const mg_tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
     return t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
 }

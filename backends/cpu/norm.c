@@ -9,9 +9,9 @@ static void mg_k_norm(const mg_node *n, int ith, int nth) {
     const int64_t ne0 = a->ne[0];
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(a, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+    if (r0 < r1) mg_row_coords(a, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(a, &i1, &i2, &i3)) {
         const float *x = (const float *)mg_ptr(a, 0, i1, i2, i3);   /* [ne0] */
         float *y = (float *)mg_ptr(d, 0, i1, i2, i3);               /* [ne0] */
         double sum = 0.0;

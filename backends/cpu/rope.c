@@ -65,9 +65,9 @@ static void mg_k_rope(const mg_node *n, int ith, int nth) {
     int64_t cached_i2 = -1;
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i1, i2, i3;
-        mg_row_coords(a, r, &i1, &i2, &i3);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row (no divisions) */
+    if (r0 < r1) mg_row_coords(a, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(a, &i1, &i2, &i3)) {
         const char *x = mg_ptr(a, 0, i1, i2, i3);   /* [ne0] */
         char *y = mg_ptr(d, 0, i1, i2, i3);         /* [ne0] */
         float theta[4] = {0, 0, 0, 0};
