@@ -65,13 +65,22 @@ class KVCells:
         return self.pos[i] < 0
 
     def used(self) -> int:
-        return sum(1 for p in self.pos if p >= 0)
+        pos = self.pos
+        if not pos or min(pos) >= -1:      # empty cells hold -1: counted at C speed (once per step)
+            return len(pos) - pos.count(-1)
+        return sum(1 for p in pos if p >= 0)
 
     def used_max_p1(self) -> int:
-        """One past the highest used cell (0 when none): the graph attends to cells [0, n_kv)."""
-        for i in range(len(self.pos) - 1, -1, -1):
-            if self.pos[i] >= 0:
-                return i + 1
+        """One past the highest used cell (0 when none): the graph attends to cells [0, n_kv).
+        Scanned from the end in blocks whose max is taken at C speed: a mostly empty cache of
+        thousands of cells costs microseconds, not a Python loop over every cell each step."""
+        pos, step = self.pos, 64
+        for end in range(len(pos), 0, -step):
+            start = max(0, end - step)
+            if max(pos[start:end]) >= 0:
+                for i in range(end - 1, start - 1, -1):
+                    if pos[i] >= 0:
+                        return i + 1
         return 0
 
     def free(self, i: int):
@@ -107,7 +116,10 @@ class KVCells:
         self.has_shift = True
 
     def seq_pos(self, seq: int) -> list[int]:
-        return [p for p, s in zip(self.pos, self.seq) if seq in s]
+        n = self.used_max_p1()             # no used cell lies past it, and an empty one names no
+        if any(self.seq[n:]):              # sequence, unless a negative position put one there
+            n = len(self.pos)
+        return [p for p, s in zip(self.pos[:n], self.seq[:n]) if seq in s]
 
     def copy(self) -> "KVCells":
         c = KVCells(0)
