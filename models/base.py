@@ -52,8 +52,9 @@ class WeightMaker:
     """Makes one device's f32 weights: tensors are created in one context and their seeded values
     kept aside; place(dev) allocates the context on the device and writes the values there."""
 
-    def __init__(self, rng: np.random.Generator, named: dict, mark_weights: bool = True):
+    def __init__(self, rng: np.random.Generator, named: dict, mark_weights: bool = True, pending: list | None = None):
         self.rng = rng
+        self.pending = pending if pending is not None else []   # (ctx, device) left to a loader
         self.named = named               # gguf name -> tensor, filled as weights are made
         self.mark_weights = mark_weights
         self.ctx = mg.Context()
@@ -84,6 +85,12 @@ class WeightMaker:
         return t
 
     def place(self, dev) -> None:
+        """Give the weights memory on dev and write their values. While a loader builds the model
+        nothing is allocated: the loader maps the file's pages where it can and then allocates the
+        rest (pending_places), so mapped weights never hold a second, throw-away buffer."""
+        if self.loading is not None:
+            self.pending.append((self.ctx, dev))
+            return
         mg.alloc_ctx_tensors(self.ctx, dev)
         for t, arr in self.values:
             t.set(arr)
@@ -160,14 +167,15 @@ class RecurrentModel:
         host, then each layer's layer_weights(mk, il) on that layer's device."""
         rng = np.random.default_rng(seed)
         E, V = self.n_embd, self.n_vocab
-        mk = WeightMaker(rng, self._named, mark_weights)
+        self.pending_places = []         # (ctx, device) whose memory a GGUF loader gives
+        mk = WeightMaker(rng, self._named, mark_weights, self.pending_places)
         self.tok_embd = mk("token_embd" + suffix, (E, V), 1.0)
         self.out_norm = mk(out_norm + suffix, (E,), 0.1, 1.0)
         self.output = mk("output" + suffix, (E, V), 1 / np.sqrt(E))
         mk.place(self.host)
         self.layer_w = []
         for il in self.layers:
-            mk = WeightMaker(rng, self._named, mark_weights)
+            mk = WeightMaker(rng, self._named, mark_weights, self.pending_places)
             self.layer_w.append(self.layer_weights(mk, il))
             mk.place(self.layer_devices[il])
 

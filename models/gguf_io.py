@@ -634,22 +634,34 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
         if types[name] != t.type:
             raise GGUFError(f"{name}: type in file {types[name].name}, model made {t.type.name}")
+    # the device each weight goes to: the model gave them none yet (pending_places) while loading
+    device_of = {id(t): dev for ctx, dev in getattr(model, "pending_places", ()) for t in ctx.leaves()}
+
+    def device(t):
+        return t.backend if t.buffer is not None else device_of.get(id(t))
+
     for name, t in want.items():              # raw blocks only where the device's kernels take them
-        dev = t.backend
+        dev = device(t)
         if not t.type.numpy_native and not isinstance(dev, HostBackend) and t.type.name not in dev.wide_types:
             raise GGUFError(f"{path}: tensor {name} is {t.type.name}: backend {dev.name} has no kernels for "
                             f"{t.type.name} (load it on ref or cpu)")
     mapped: dict = {}                         # backend -> one Buffer over the whole mapping
+    copied = []
     for name, t in want.items():
         rt = found[name]
-        dev = t.backend
+        dev = device(t)
         if map_weights and isinstance(dev, HostBackend) and (rt.data_offset % 32 == 0) and _mappable(t):
             buf = mapped.get(id(dev))
             if buf is None:
                 buf = mapped[id(dev)] = Buffer(dev, len(reader.data), "weights", reader.data)
             t.buffer, t.offs = buf, int(rt.data_offset)
         else:
-            t.set(_as_stored(rt.data, t))
+            copied.append((t, rt))
+    # memory only for the weights not mapped (the model made none while loading), then their data
+    for ctx, dev in getattr(model, "pending_places", ()):
+        mg.alloc_ctx_tensors(ctx, dev)
+    for t, rt in copied:
+        t.set(_as_stored(rt.data, t))
     model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
 

@@ -133,6 +133,14 @@ class StepJournal:
         self._held: list = []      # (cache tensor, byte offset, gathered host bytes) bound to a graph
         self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), np.uint8)
 
+    def _reserve(self, need: int):
+        """Make room for need more bytes in one go: a ubatch's runs, arena'd one by one, would
+        otherwise grow it by doubling several times, each old arena kept alive by its spans."""
+        arena = _ARENAS.get(self.memory)
+        if need and (arena is None or arena.size < self._arena_offs + need):
+            self._arena(need)
+            self._arena_offs -= need
+
     def _arena(self, need: int) -> np.ndarray:
         """need bytes of this memory's arena, after what this step already saved there."""
         arena = _ARENAS.get(self.memory)
@@ -212,6 +220,7 @@ class StepJournal:
 
     def _save(self, runs):
         copies = {}                  # backend -> ([(arena rows, cache rows)], the spans they save)
+        self._reserve(sum(count * n for t, _, _, count, n in runs if _host_bytes(t) is not None))
         for t, offs, stride, count, n in runs:
             host = _host_bytes(t)
             if host is not None:

@@ -13,6 +13,7 @@ import activation_ties
 
 import minigraph as mg
 from minigraph.cli.main import main as cli_main
+from minigraph.backend import HostBackend
 from minigraph.models import gguf_types
 from minigraph.models.delta_net import DeltaNetModel
 from minigraph.models.gguf_io import GGUFError, load_gguf, save_gguf
@@ -151,6 +152,31 @@ def test_copy_on_write_mapping_and_copies(files, tmp_path):
     t = copied.gguf_tensors()["blk.0.ffn_up.weight"]
     assert not isinstance(t.root().buffer.mem, np.memmap)
     assert np.array_equal(t.numpy(), load_gguf(path, devices=mg.backend("ref")).gguf_tensors()["blk.0.ffn_up.weight"].numpy())
+
+
+def test_mapped_load_allocates_no_weight_memory(files, monkeypatch):
+    """Weights the file's pages back get no buffer of their own, not even a throw-away one made
+    while the model is constructed (that one was touched and showed in the peak RSS); a load that
+    copies gets one buffer per device context, sized for the weights it holds."""
+    _, paths = files["mamba2"]
+    asked = []
+    host = HostBackend                                   # ref and cpu allocate there
+    orig = host.alloc_buffer
+
+    def spy(self, nbytes, usage, tensors=()):
+        asked.append((usage, nbytes))
+        return orig(self, nbytes, usage, tensors)
+    monkeypatch.setattr(host, "alloc_buffer", spy)
+    for dev in ("ref", "cpu"):
+        asked.clear()
+        m = load_gguf(paths["q8_0"], devices=mg.backend(dev))
+        assert [a for a in asked if a[0] == "weights"] == [], dev
+        assert all(isinstance(t.root().buffer.mem, np.memmap) for t in m.gguf_tensors().values())
+        asked.clear()
+        m = load_gguf(paths["q8_0"], devices=mg.backend(dev), map_weights=False)
+        weights = sum(n for u, n in asked if u == "weights")
+        want = sum(t.nbytes() for t in m.gguf_tensors().values() if t.view_src is None)
+        assert want <= weights <= want + 64 * len(m.gguf_tensors()), (dev, weights, want)
 
 
 def test_q4_k_m_rule():
