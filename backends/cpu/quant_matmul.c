@@ -26,6 +26,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MG_QAVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MG_VNNI 1   /* 256-bit vpdpwssd: int16 pair products added into int32 sums in one step */
+#endif
 #endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
@@ -173,6 +176,11 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
             sumi[c] = _mm256_setzero_si256();
         }
+#if MG_VNNI
+        __m256i part[CMAX][2][2];
+        for (int c = 0; c < C; c++)
+            for (int q = 0; q < 4; q++) part[c][q >> 1][q & 1] = _mm256_setzero_si256();
+#endif
         for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * j));
             const __m256i q4l = _mm256_and_si256(q4, lo4), q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), lo4);
@@ -181,13 +189,24 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const __m256i sh = _mm256_shuffle_epi8(scl, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * j + 1))));
             for (int c = 0; c < C; c++) {
                 const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * j;
-                const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8)));
-                const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32))));
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(pl, ph));
+                const __m256i pl = _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i ph = _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+#if MG_VNNI
+                /* the scale products added straight into the sums (exact integers either way),
+                 * in four chains: one chain of eight vpdpwssd per block would wait on their latency */
+                part[c][j & 1][0] = _mm256_dpwssd_epi32(part[c][j & 1][0], sl, pl);
+                part[c][j & 1][1] = _mm256_dpwssd_epi32(part[c][j & 1][1], sh, ph);
+#else
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
+#endif
             }
         }
         for (int c = 0; c < C; c++) {
             const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+#if MG_VNNI
+            sumi[c] = _mm256_add_epi32(_mm256_add_epi32(part[c][0][0], part[c][0][1]),
+                                       _mm256_add_epi32(part[c][1][0], part[c][1][1]));
+#endif
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
         }
     }
