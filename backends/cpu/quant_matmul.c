@@ -324,10 +324,48 @@ static inline __m256 load8_h(const uint16_t *p, int bf) {
 }
 #endif
 
+#if MG_QAVX2 && defined(__AVX512F__)
+static inline __m512 load16_h(const uint16_t *p, int bf) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (!bf) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 static inline __attribute__((always_inline)) void dot_half(int64_t K, const char *xrow, const void *const *ys,
                                                            const int C, float *out, const int bf) {
     const uint16_t *x = (const uint16_t *)xrow;
-#if MG_QAVX2
+#if MG_QAVX2 && defined(__AVX512F__)
+    /* the AVX2 loop below in 16-lane registers: chains 0|1 in one, 2|3 in the other, lane for
+     * lane the same fmas in the same order, and the same final sum ((0 + 2) + (1 + 3)), so the
+     * result is bit-identical; half the instructions (the conversions bound this loop) */
+    __m512 acc2[CMAX][2];
+    for (int c = 0; c < C; c++) acc2[c][0] = acc2[c][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        PREFETCH(x + k);
+        const __m512 x0 = load16_h(x + k, bf), x1 = load16_h(x + k + 16, bf);
+        for (int c = 0; c < C; c++) {
+            const uint16_t *y = (const uint16_t *)ys[c] + k;
+            acc2[c][0] = _mm512_fmadd_ps(x0, load16_h(y, bf), acc2[c][0]);
+            acc2[c][1] = _mm512_fmadd_ps(x1, load16_h(y + 16, bf), acc2[c][1]);
+        }
+    }
+    if (k < K) {
+        uint16_t tx[32] = {0}, ty[32];
+        memcpy(tx, x + k, (size_t)(K - k) * 2);
+        for (int c = 0; c < C; c++) {
+            memset(ty, 0, sizeof ty);
+            memcpy(ty, (const uint16_t *)ys[c] + k, (size_t)(K - k) * 2);
+            acc2[c][0] = _mm512_fmadd_ps(load16_h(tx, bf), load16_h(ty, bf), acc2[c][0]);
+            acc2[c][1] = _mm512_fmadd_ps(load16_h(tx + 16, bf), load16_h(ty + 16, bf), acc2[c][1]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const __m512 s = _mm512_add_ps(acc2[c][0], acc2[c][1]);   /* lanes 0-7: 0 + 2, 8-15: 1 + 3 */
+        out[c] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1)));
+    }
+#elif MG_QAVX2
     /* 4 chains of 8 lanes per column over steps of 32; a tail shorter than 32 is zero-padded (a
      * product with 0 changes no sum) */
     __m256 acc[CMAX][4];
