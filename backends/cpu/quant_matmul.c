@@ -332,6 +332,12 @@ static inline __m512 load16_h(const uint16_t *p, int bf) {
 }
 #endif
 
+/* the last n < 32 halves of a row, zero-padded to 32 (a product with 0 changes no sum) */
+static inline void pad32(uint16_t out[32], const uint16_t *src, int64_t n) {
+    memset(out, 0, 32 * sizeof(uint16_t));
+    memcpy(out, src, (size_t)n * sizeof(uint16_t));
+}
+
 static inline __attribute__((always_inline)) void dot_half(int64_t K, const char *xrow, const void *const *ys,
                                                            const int C, float *out, const int bf) {
     const uint16_t *x = (const uint16_t *)xrow;
@@ -352,11 +358,10 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
         }
     }
     if (k < K) {
-        uint16_t tx[32] = {0}, ty[32];
-        memcpy(tx, x + k, (size_t)(K - k) * 2);
+        uint16_t tx[32], ty[32];
+        pad32(tx, x + k, K - k);
         for (int c = 0; c < C; c++) {
-            memset(ty, 0, sizeof ty);
-            memcpy(ty, (const uint16_t *)ys[c] + k, (size_t)(K - k) * 2);
+            pad32(ty, (const uint16_t *)ys[c] + k, K - k);
             acc2[c][0] = _mm512_fmadd_ps(load16_h(tx, bf), load16_h(ty, bf), acc2[c][0]);
             acc2[c][1] = _mm512_fmadd_ps(load16_h(tx + 16, bf), load16_h(ty + 16, bf), acc2[c][1]);
         }
@@ -382,11 +387,10 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
         }
     }
     if (k < K) {
-        uint16_t tx[32] = {0}, ty[32];
-        memcpy(tx, x + k, (size_t)(K - k) * 2);
+        uint16_t tx[32], ty[32];
+        pad32(tx, x + k, K - k);
         for (int c = 0; c < C; c++) {
-            memset(ty, 0, sizeof ty);
-            memcpy(ty, (const uint16_t *)ys[c] + k, (size_t)(K - k) * 2);
+            pad32(ty, (const uint16_t *)ys[c] + k, K - k);
             for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(load8_h(tx + 8 * q, bf), load8_h(ty + 8 * q, bf), acc[c][q]);
         }
     }
