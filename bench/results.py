@@ -51,16 +51,21 @@ def commit() -> str:
 
 
 def machine_line() -> str:
-    """'Machine: <CPU model>, <n> cores, load average a, b, c'."""
-    model = "unknown CPU"
+    """'Machine: <CPU model> (<widest SIMD>), <n> cores, load average a, b, c'. The SIMD level is
+    named because the C kernels are built for the host (-march=native) and take other paths on
+    AVX-512 than on AVX2: two machines with the same model name can run different code."""
+    model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
             for ln in f:
-                if ln.startswith("model name"):
+                if ln.startswith("model name") and model == "unknown CPU":
                     model = ln.split(":", 1)[1].strip()
-                    break
+                elif ln.startswith("flags") and not flags:
+                    flags = set(ln.split(":", 1)[1].split())
     except OSError:
         pass
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2" if flags else "SIMD unknown"
+    model = f"{model} ({simd})"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover

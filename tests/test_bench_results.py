@@ -3,6 +3,8 @@ a report printed while it runs is shown and also written, with the command and m
 into the script's own section; a second run replaces that section and leaves the others."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import bench_scripts
@@ -38,3 +40,5 @@ def test_run_and_write_prints_and_writes_the_report(results, tmp_path, capsys):
 def test_machine_line_names_cpu_cores_and_load(results):
     line = results.machine_line()
     assert line.startswith("Machine: ") and " cores, load average " in line
+    # the SIMD level the host offers (the kernels are built for it): AVX-512 and AVX2 hosts run other code
+    assert re.search(r"\((AVX-512|AVX2|no AVX2|SIMD unknown)\), \d+ cores", line), line
