@@ -134,22 +134,19 @@ class StepJournal:
         self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), np.uint8)
 
     def _reserve(self, need: int):
-        """Make room for need more bytes in one go: a ubatch's runs, arena'd one by one, would
-        otherwise grow it by doubling several times, each old arena kept alive by its spans."""
+        """Room for need more bytes after what this step already saved: when the arena is too
+        small, a bigger one (the spans already saved stay views of the old one, which they keep
+        alive). _save reserves a whole ubatch's runs at once, so the arena grows once per ubatch,
+        not by doubling run by run with every older arena still resident."""
         arena = _ARENAS.get(self.memory)
-        if need and (arena is None or arena.size < self._arena_offs + need):
-            self._arena(need)
-            self._arena_offs -= need
+        if arena is None or arena.size < self._arena_offs + need:
+            _ARENAS[self.memory] = np.empty(max(2 * (0 if arena is None else arena.size), need, 1 << 16), np.uint8)
+            self._arena_offs = 0
 
     def _arena(self, need: int) -> np.ndarray:
         """need bytes of this memory's arena, after what this step already saved there."""
-        arena = _ARENAS.get(self.memory)
-        if arena is None or arena.size < self._arena_offs + need:
-            # a bigger one; the spans already saved stay views of the old one (they keep it alive)
-            arena = np.empty(max(2 * (0 if arena is None else arena.size), need, 1 << 16), np.uint8)
-            _ARENAS[self.memory] = arena
-            self._arena_offs = 0
-        out = arena[self._arena_offs:self._arena_offs + need]
+        self._reserve(need)
+        out = _ARENAS[self.memory][self._arena_offs:self._arena_offs + need]
         self._arena_offs += need
         return out
 
@@ -220,9 +217,11 @@ class StepJournal:
 
     def _save(self, runs):
         copies = {}                  # backend -> ([(arena rows, cache rows)], the spans they save)
-        self._reserve(sum(count * n for t, _, _, count, n in runs if _host_bytes(t) is not None))
-        for t, offs, stride, count, n in runs:
-            host = _host_bytes(t)
+        located = [(run, _host_bytes(run[0])) for run in runs]
+        on_host = sum(count * n for (_, _, _, count, n), host in located if host is not None)
+        if on_host:
+            self._reserve(on_host)
+        for (t, offs, stride, count, n), host in located:
             if host is not None:
                 mem, base = host
                 data = self._arena(count * n).reshape(count, n)
