@@ -52,9 +52,9 @@ class WeightMaker:
     """Makes one device's f32 weights: tensors are created in one context and their seeded values
     kept aside; place(dev) allocates the context on the device and writes the values there."""
 
-    def __init__(self, rng: np.random.Generator, named: dict, mark_weights: bool = True, pending: list | None = None):
+    def __init__(self, rng: np.random.Generator, named: dict, pending: list, mark_weights: bool = True):
         self.rng = rng
-        self.pending = pending if pending is not None else []   # (ctx, device) left to a loader
+        self.pending = pending           # (ctx, device) whose memory a loader gives (while loading)
         self.named = named               # gguf name -> tensor, filled as weights are made
         self.mark_weights = mark_weights
         self.ctx = mg.Context()
@@ -168,14 +168,14 @@ class RecurrentModel:
         rng = np.random.default_rng(seed)
         E, V = self.n_embd, self.n_vocab
         self.pending_places = []         # (ctx, device) whose memory a GGUF loader gives
-        mk = WeightMaker(rng, self._named, mark_weights, self.pending_places)
+        mk = WeightMaker(rng, self._named, self.pending_places, mark_weights)
         self.tok_embd = mk("token_embd" + suffix, (E, V), 1.0)
         self.out_norm = mk(out_norm + suffix, (E,), 0.1, 1.0)
         self.output = mk("output" + suffix, (E, V), 1 / np.sqrt(E))
         mk.place(self.host)
         self.layer_w = []
         for il in self.layers:
-            mk = WeightMaker(rng, self._named, mark_weights, self.pending_places)
+            mk = WeightMaker(rng, self._named, self.pending_places, mark_weights)
             self.layer_w.append(self.layer_weights(mk, il))
             mk.place(self.layer_devices[il])
 

@@ -634,8 +634,10 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
             raise GGUFError(f"{name}: shape in file ne={list(ne)}, model expects ne={list(t.ne[:t.n_dims()])}")
         if types[name] != t.type:
             raise GGUFError(f"{name}: type in file {types[name].name}, model made {t.type.name}")
-    # the device each weight goes to: the model gave them none yet (pending_places) while loading
-    device_of = {id(t): dev for ctx, dev in getattr(model, "pending_places", ()) for t in ctx.leaves()}
+    # the device each weight goes to: while loading, the model gave them no memory (pending_places:
+    # the loader's to allocate, below, once it knows which weights the file's pages back)
+    places, model.pending_places = model.pending_places, []
+    device_of = {id(t): dev for ctx, dev in places for t in ctx.leaves()}
 
     def device(t):
         return t.backend if t.buffer is not None else device_of.get(id(t))
@@ -658,7 +660,7 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
         else:
             copied.append((t, rt))
     # memory only for the weights not mapped (the model made none while loading), then their data
-    for ctx, dev in getattr(model, "pending_places", ()):
+    for ctx, dev in places:
         mg.alloc_ctx_tensors(ctx, dev)
     for t, rt in copied:
         t.set(_as_stored(rt.data, t))
