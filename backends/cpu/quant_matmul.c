@@ -44,6 +44,23 @@
 #define CMAX 2
 
 #if MG_QAVX2
+/* acc + the int16 pair products of a and b, summed into int32 lanes: one vpdpwssd on VNNI builds */
+static inline __m256i add_madd16(__m256i acc, __m256i a, __m256i b) {
+#if MG_VNNI
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* independent int32 sum chains per q4_K block: vpdpwssd's latency makes one chain of eight per
+ * block wait on it; the add of the AVX2 path has latency 1. Integer sums: the same in any order */
+#if MG_VNNI
+#define Q4K_CHAINS 4
+#else
+#define Q4K_CHAINS 1
+#endif
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -166,7 +183,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         const __m128i s16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]));
         const __m256i scl = _mm256_set_m128i(s16, s16);   /* the 8 scales as int16, both halves */
         const float xd = mg_fp16_to_fp32(x[b].d), xdmin = mg_fp16_to_fp32(x[b].dmin);
-        __m256i sumi[CMAX];
+        __m256i part[CMAX][Q4K_CHAINS];   /* the block's int32 sums, in Q4K_CHAINS chains */
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
@@ -174,13 +191,8 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             const float dmin = -y->d * xdmin;
             accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
-            sumi[c] = _mm256_setzero_si256();
+            for (int q = 0; q < Q4K_CHAINS; q++) part[c][q] = _mm256_setzero_si256();
         }
-#if MG_VNNI
-        __m256i part[CMAX][2][2];
-        for (int c = 0; c < C; c++)
-            for (int q = 0; q < 4; q++) part[c][q >> 1][q & 1] = _mm256_setzero_si256();
-#endif
         for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * j));
             const __m256i q4l = _mm256_and_si256(q4, lo4), q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), lo4);
@@ -191,23 +203,16 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
                 const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * j;
                 const __m256i pl = _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
                 const __m256i ph = _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
-#if MG_VNNI
-                /* the scale products added straight into the sums (exact integers either way),
-                 * in four chains: one chain of eight vpdpwssd per block would wait on their latency */
-                part[c][j & 1][0] = _mm256_dpwssd_epi32(part[c][j & 1][0], sl, pl);
-                part[c][j & 1][1] = _mm256_dpwssd_epi32(part[c][j & 1][1], sh, ph);
-#else
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
-#endif
+                __m256i *lo = &part[c][(2 * j) % Q4K_CHAINS], *hi = &part[c][(2 * j + 1) % Q4K_CHAINS];
+                *lo = add_madd16(*lo, sl, pl);
+                *hi = add_madd16(*hi, sh, ph);
             }
         }
         for (int c = 0; c < C; c++) {
             const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
-#if MG_VNNI
-            sumi[c] = _mm256_add_epi32(_mm256_add_epi32(part[c][0][0], part[c][0][1]),
-                                       _mm256_add_epi32(part[c][1][0], part[c][1][1]));
-#endif
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            __m256i sumi = part[c][0];
+            for (int q = 1; q < Q4K_CHAINS; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
     for (int c = 0; c < C; c++) {
