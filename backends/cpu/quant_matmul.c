@@ -38,10 +38,12 @@
 #endif
 #define PREFETCH(p) do { if (QPF) _mm_prefetch((const char *)(p) + QPF, _MM_HINT_T0); } while (0)
 
-/* A pass is one weight row against C (1 or 2) converted rows: the weight block is loaded and
+/* A pass is one weight row against C (1 to CMAX) converted rows: the weight block is loaded and
  * unpacked once for the C columns, each column with its own accumulators. (Sharing a converted
  * row across 2-4 weight rows instead measured 0.6-0.9x: matrix x vector streams the weights.) */
-#define CMAX 2
+#ifndef CMAX
+#define CMAX 4
+#endif
 
 #if MG_QAVX2
 /* acc + the int16 pair products of a and b, summed into int32 lanes: one vpdpwssd on VNNI builds */
@@ -103,6 +105,76 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
         }
         out[c] = s;
     }
+#endif
+}
+
+/* A tile of R weight rows (xrow + r * xs) against C converted rows for the matrix x matrix
+ * case: out[r * C + c]. Each output keeps dot_q8_0's chain exactly (the same 8 int32 lanes per
+ * block, the same scale product, one fma per block into its own 8 float lanes, one horizontal
+ * sum), so a column's result does not depend on the tile, the batch or the thread; the tile only
+ * loads each weight block once for C columns and each converted block once for R rows. */
+#ifndef Q8_TR
+#if MG_VNNI
+#define Q8_TR 4
+#define Q8_TC 4
+#else
+#define Q8_TR 2
+#define Q8_TC 2
+#endif
+#endif
+static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const char *xrow, size_t xs,
+                                                            const void *const *ys, const int R, const int C,
+                                                            float *out) {
+#if MG_QAVX2
+    __m256 acc[Q8_TR][Q8_TC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+#if MG_VNNI
+    /* vpdpbusd multiplies unsigned by signed bytes: with x + 128 as the unsigned side, each lane
+     * starts from -128 * (its 4 converted values) and ends at exactly the sum of x * y */
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xv[Q8_TR];
+#if !MG_VNNI
+        __m256i ax[Q8_TR];
+#endif
+        float dx[Q8_TR];
+        for (int r = 0; r < R; r++) {
+            const mg_block_q8_0 *x = (const mg_block_q8_0 *)(xrow + r * xs) + b;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)x->qs);
+#if MG_VNNI
+            xv[r] = _mm256_xor_si256(q, k80);
+#else
+            xv[r] = q;
+            ax[r] = _mm256_sign_epi8(q, q);
+#endif
+            dx[r] = mg_fp16_to_fp32(x->d);
+        }
+        for (int c = 0; c < C; c++) {
+            const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
+            const __m256i yq = _mm256_loadu_si256((const __m256i *)y->qs);
+            const float dy = mg_fp16_to_fp32(y->d);
+#if MG_VNNI
+            const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                   _mm256_dpbusd_epi32(_mm256_setzero_si256(), k80, yq));
+#endif
+            for (int r = 0; r < R; r++) {
+#if MG_VNNI
+                const __m256i s = _mm256_dpbusd_epi32(start, xv[r], yq);
+#else
+                const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yq, xv[r])), ones);
+#endif
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy), _mm256_cvtepi32_ps(s), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r * C + c] = hsum8(acc[r][c]);
+#else
+    for (int r = 0; r < R; r++) dot_q8_0(nb, xrow + r * xs, ys, C, out + r * C);
 #endif
 }
 
@@ -442,20 +514,93 @@ typedef void (*dot_fn)(int64_t K, const char *x, const void *const *ys, float *o
  * cache for every src1 row */
 #define QMB 16
 
+/* The matrix x matrix kernels of the types that have one: a TR x TC tile and its edges (one
+ * row, one column); K is the row length in values, xs the weight row stride in bytes. */
+typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
+typedef struct { int tr, tc; tile_fn full, one_row, one_col, one; } tiles;
+
+#define DEFINE_TILE(fn, QK, R, C)                                                                  \
+    static void fn##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
+        fn(K / QK, x, xs, ys, R, C, o);                                                            \
+    }
+DEFINE_TILE(tile_q8_0, MG_QK8_0, Q8_TR, Q8_TC)
+DEFINE_TILE(tile_q8_0, MG_QK8_0, 1, Q8_TC)
+DEFINE_TILE(tile_q8_0, MG_QK8_0, Q8_TR, 1)
+DEFINE_TILE(tile_q8_0, MG_QK8_0, 1, 1)
+#define TILES(fn, R, C) {R, C, fn##_##R##x##C, fn##_1x##C, fn##_##R##x1, fn##_1x1}
+
+/* the other types: one weight row against CMAX columns (a q4_K or q6_K block's unpacking is
+ * shared by the columns; the converted blocks are small) */
+#define DEFINE_ROW_TILES(T)                                                                        \
+    static void row_##T##_1x##CMAX##_(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
+        (void)xs; dot_cols(T, K, x, ys, CMAX, o);                                                  \
+    }                                                                                              \
+    static void row_##T##_1x1_(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
+        (void)xs; dot_cols(T, K, x, ys, 1, o);                                                     \
+    }                                                                                              \
+    static const tiles T##_tiles = {1, CMAX, row_##T##_1x##CMAX##_, row_##T##_1x##CMAX##_, row_##T##_1x1_, row_##T##_1x1_};
+DEFINE_ROW_TILES(MG_Q4_0)
+DEFINE_ROW_TILES(MG_Q4_K)
+DEFINE_ROW_TILES(MG_Q6_K)
+DEFINE_ROW_TILES(MG_F16)
+DEFINE_ROW_TILES(MG_BF16)
+
+/* weight rows [m0, m1) of one plane against all N converted rows, tile by tile; each output
+ * comes out the same whichever tile computes it */
+static void run_tiles(const tiles *t, const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, const char *ap,
+                      int64_t m0, int64_t m1, int64_t i2, int64_t i3) {
+    const int64_t K = a->ne[0], N = b->ne[1];
+    const size_t xs = (size_t)a->nb[1];
+    float o[64];
+    int64_t j = 0;
+    for (; j < N; j += t->tc) {
+        const int C = N - j >= t->tc ? t->tc : 1;
+        if (C == 1) {   /* the last N % tc columns, one at a time */
+            for (; j < N; j++) {
+                const void *ys[1] = {mg_ptr(b, 0, j, i2, i3)};
+                int64_t i = m0;
+                for (; i + t->tr <= m1; i += t->tr) {
+                    t->one_col(K, ap + i * xs, xs, ys, o);
+                    for (int r = 0; r < t->tr; r++) mg_store_f32(mg_ptr(d, i + r, j, i2, i3), o[r]);
+                }
+                for (; i < m1; i++) {
+                    t->one(K, ap + i * xs, xs, ys, o);
+                    mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
+                }
+            }
+            break;
+        }
+        const void *ys[16];
+        for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
+        int64_t i = m0;
+        for (; i + t->tr <= m1; i += t->tr) {
+            t->full(K, ap + i * xs, xs, ys, o);
+            for (int r = 0; r < t->tr; r++)
+                for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
+        }
+        for (; i < m1; i++) {
+            t->one_row(K, ap + i * xs, xs, ys, o);
+            for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i, j + c, i2, i3), o[c]);
+        }
+    }
+}
+
 /* MUL_MAT, src0 [K, M, a2, a3] of a half / block type (rows dense), src1 the converted rows
  * [K, N, b2, b3] (contiguous, the dot type), dst [M, N, b2, b3] f32 */
 void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, int ith, int nth) {
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t mblk = (M + QMB - 1) / QMB, planes = b->ne[2] * b->ne[3];
+    static const tiles q8_0_tiles = TILES(tile_q8_0, Q8_TR, Q8_TC);
+    const tiles *tl = NULL;
     dot_fn f2, f1;
     switch (a->type) {
-        case MG_Q8_0: f2 = dot_MG_Q8_0_2; f1 = dot_MG_Q8_0_1; break;
-        case MG_Q4_0: f2 = dot_MG_Q4_0_2; f1 = dot_MG_Q4_0_1; break;
-        case MG_Q4_K: f2 = dot_MG_Q4_K_2; f1 = dot_MG_Q4_K_1; break;
-        case MG_Q6_K: f2 = dot_MG_Q6_K_2; f1 = dot_MG_Q6_K_1; break;
-        case MG_F16: f2 = dot_MG_F16_2; f1 = dot_MG_F16_1; break;
-        case MG_BF16: f2 = dot_MG_BF16_2; f1 = dot_MG_BF16_1; break;
+        case MG_Q8_0: f2 = dot_MG_Q8_0_2; f1 = dot_MG_Q8_0_1; tl = &q8_0_tiles; break;
+        case MG_Q4_0: f2 = dot_MG_Q4_0_2; f1 = dot_MG_Q4_0_1; tl = &MG_Q4_0_tiles; break;
+        case MG_Q4_K: f2 = dot_MG_Q4_K_2; f1 = dot_MG_Q4_K_1; tl = &MG_Q4_K_tiles; break;
+        case MG_Q6_K: f2 = dot_MG_Q6_K_2; f1 = dot_MG_Q6_K_1; tl = &MG_Q6_K_tiles; break;
+        case MG_F16: f2 = dot_MG_F16_2; f1 = dot_MG_F16_1; tl = &MG_F16_tiles; break;
+        case MG_BF16: f2 = dot_MG_BF16_2; f1 = dot_MG_BF16_1; tl = &MG_BF16_tiles; break;
         default: return;   /* refused by the backend's type table */
     }
     int64_t j0, j1;
@@ -468,6 +613,10 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
         if (K == 0) {
             for (int64_t j = 0; j < N; j++)
                 for (int64_t i = m0; i < m1; i++) mg_store_f32(mg_ptr(d, i, j, i2, i3), 0.0f);
+            continue;
+        }
+        if (tl && N > 1) {   /* matrix x matrix */
+            run_tiles(tl, a, b, d, ap, m0, m1, i2, i3);
             continue;
         }
         /* pairs of columns, then the last one alone: each output is the same chain either way */
