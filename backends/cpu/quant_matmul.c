@@ -14,12 +14,14 @@
  * and order (8 partial sums per row, one fma per block, one horizontal sum), so results are
  * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only.
  *
- * Speed: matrix x vector is a stream over the weights (see QPF and CMAX below); with more src1
- * rows, a weight row's blocks are unpacked once for two converted rows.
+ * Speed: matrix x vector is a stream over the weights (see QPF below); with more src1 rows the
+ * outputs are computed in register tiles (run_tiles): q8_0 weights in tiles of rows x columns
+ * (tile_q8_0), the other types one weight row against CMAX columns, so that a weight block is
+ * loaded and unpacked once for several converted rows.
  *
  * Batch invariance: an output element is the same function of (weight row, converted row)
- * whatever the thread, the chunk or the number of src1 rows: a pass over two columns only
- * interleaves two independent chains, and a src1 row is converted on its own. */
+ * whatever the thread, the chunk, the tile or the number of src1 rows: a tile only interleaves
+ * independent chains, and a src1 row is converted on its own. */
 #include <stdlib.h>
 #include "quant.h"
 
@@ -41,8 +43,13 @@
 /* A pass is one weight row against C (1 to CMAX) converted rows: the weight block is loaded and
  * unpacked once for the C columns, each column with its own accumulators. (Sharing a converted
  * row across 2-4 weight rows instead measured 0.6-0.9x: matrix x vector streams the weights.) */
+#define TMAX 6   /* the widest tile any build may use (array bounds) */
 #ifndef CMAX
+#if defined(__AVX512F__)
+#define CMAX 6   /* 32 vector registers: 6 columns' accumulators fit (q4_K, q6_K 1.05-1.3x of 4 here) */
+#else
 #define CMAX 4
+#endif
 #endif
 
 #if MG_QAVX2
@@ -76,7 +83,7 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
                                                            const int C, float *out) {
     const mg_block_q8_0 *x = (const mg_block_q8_0 *)xrow;
 #if MG_QAVX2
-    __m256 acc[CMAX];
+    __m256 acc[TMAX];
     const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -126,7 +133,7 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
                                                             const void *const *ys, const int R, const int C,
                                                             float *out) {
 #if MG_QAVX2
-    __m256 acc[Q8_TR][Q8_TC];
+    __m256 acc[Q8_TR][TMAX];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
 #if MG_VNNI
@@ -182,16 +189,16 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
 static inline __attribute__((always_inline)) void dot_q4_0(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     const mg_block_q4_0 *x = (const mg_block_q4_0 *)xrow;
-    const int8_t *yq[CMAX];
-    const int16_t *ys8[CMAX];
-    const char *yd[CMAX];
+    const int8_t *yq[TMAX];
+    const int16_t *ys8[TMAX];
+    const char *yd[TMAX];
     for (int c = 0; c < C; c++) {
         yq[c] = ys[c];
         ys8[c] = (const int16_t *)(yq[c] + 32 * nb);
         yd[c] = (const char *)(ys8[c] + 16 * nb);
     }
 #if MG_QAVX2
-    __m256 acc[CMAX];
+    __m256 acc[TMAX];
     const __m256i lo4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -243,8 +250,8 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
                                                            const int C, float *out) {
     const mg_block_q4_K *x = (const mg_block_q4_K *)xrow;
 #if MG_QAVX2
-    __m256 acc[CMAX];
-    __m128 accm[CMAX];
+    __m256 acc[TMAX];
+    __m128 accm[TMAX];
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int c = 0; c < C; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
@@ -255,7 +262,9 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         const __m128i s16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]));
         const __m256i scl = _mm256_set_m128i(s16, s16);   /* the 8 scales as int16, both halves */
         const float xd = mg_fp16_to_fp32(x[b].d), xdmin = mg_fp16_to_fp32(x[b].dmin);
-        __m256i part[CMAX][Q4K_CHAINS];   /* the block's int32 sums, in Q4K_CHAINS chains */
+        /* the block's int32 sums, in nch chains: several columns are already independent chains */
+        const int nch = C >= 3 ? 1 : Q4K_CHAINS;
+        __m256i part[TMAX][Q4K_CHAINS];
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
@@ -263,7 +272,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             const float dmin = -y->d * xdmin;
             accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
-            for (int q = 0; q < Q4K_CHAINS; q++) part[c][q] = _mm256_setzero_si256();
+            for (int q = 0; q < nch; q++) part[c][q] = _mm256_setzero_si256();
         }
         for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(x[b].qs + 32 * j));
@@ -275,7 +284,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
                 const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * j;
                 const __m256i pl = _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
                 const __m256i ph = _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
-                __m256i *lo = &part[c][(2 * j) % Q4K_CHAINS], *hi = &part[c][(2 * j + 1) % Q4K_CHAINS];
+                __m256i *lo = &part[c][(2 * j) % nch], *hi = &part[c][(2 * j + 1) % nch];
                 *lo = add_madd16(*lo, sl, pl);
                 *hi = add_madd16(*hi, sh, ph);
             }
@@ -283,7 +292,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         for (int c = 0; c < C; c++) {
             const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
             __m256i sumi = part[c][0];
-            for (int q = 1; q < Q4K_CHAINS; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
+            for (int q = 1; q < nch; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
@@ -322,13 +331,13 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
                                                            const int C, float *out) {
     const mg_block_q6_K *x = (const mg_block_q6_K *)xrow;
 #if MG_QAVX2
-    __m256 acc[CMAX];
+    __m256 acc[TMAX];
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
-        __m256i sumi[CMAX];
+        __m256i sumi[TMAX];
         for (int c = 0; c < C; c++) {
             /* the values are stored +32: subtract 32 * sum(scale * bsum) */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)((const mg_block_q8_K *)ys[c] + b)->bsums);
@@ -422,7 +431,7 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
     /* the AVX2 loop below in 16-lane registers: chains 0|1 in one, 2|3 in the other, lane for
      * lane the same fmas in the same order, and the same final sum ((0 + 2) + (1 + 3)), so the
      * result is bit-identical; half the instructions (the conversions bound this loop) */
-    __m512 acc2[CMAX][2];
+    __m512 acc2[TMAX][2];
     for (int c = 0; c < C; c++) acc2[c][0] = acc2[c][1] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
@@ -450,7 +459,7 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
 #elif MG_QAVX2
     /* 4 chains of 8 lanes per column over steps of 32; a tail shorter than 32 is zero-padded (a
      * product with 0 changes no sum) */
-    __m256 acc[CMAX][4];
+    __m256 acc[TMAX][4];
     for (int c = 0; c < C; c++)
         for (int q = 0; q < 4; q++) acc[c][q] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -499,7 +508,6 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
 }
 
 #define DEFINE_DOT(T)                                                                                   \
-    static void dot_##T##_2(int64_t K, const char *x, const void *const *ys, float *o) { dot_cols(T, K, x, ys, 2, o); } \
     static void dot_##T##_1(int64_t K, const char *x, const void *const *ys, float *o) { dot_cols(T, K, x, ys, 1, o); }
 DEFINE_DOT(MG_Q8_0)
 DEFINE_DOT(MG_Q4_0)
@@ -514,36 +522,50 @@ typedef void (*dot_fn)(int64_t K, const char *x, const void *const *ys, float *o
  * cache for every src1 row */
 #define QMB 16
 
-/* The matrix x matrix kernels of the types that have one: a TR x TC tile and its edges (one
- * row, one column); K is the row length in values, xs the weight row stride in bytes. */
+/* The matrix x matrix kernels: rows[C] computes a tile of tr weight rows by C columns, row[C]
+ * one weight row by C columns (the rows left over), for C = 1..tc; K is the row length in
+ * values, xs the weight row stride in bytes, o[r * C + c] the outputs. */
 typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
-typedef struct { int tr, tc; tile_fn full, one_row, one_col, one; } tiles;
+typedef struct { int tr, tc; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
 
-#define DEFINE_TILE(fn, QK, R, C)                                                                  \
-    static void fn##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
-        fn(K / QK, x, xs, ys, R, C, o);                                                            \
+#define DEFINE_TILE(name, call, R, C)                                                              \
+    static void name##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
+        (void)xs; call;                                                                            \
     }
-DEFINE_TILE(tile_q8_0, MG_QK8_0, Q8_TR, Q8_TC)
-DEFINE_TILE(tile_q8_0, MG_QK8_0, 1, Q8_TC)
-DEFINE_TILE(tile_q8_0, MG_QK8_0, Q8_TR, 1)
-DEFINE_TILE(tile_q8_0, MG_QK8_0, 1, 1)
-#define TILES(fn, R, C) {R, C, fn##_##R##x##C, fn##_1x##C, fn##_##R##x1, fn##_1x1}
+#define DEFINE_TILE_WIDTHS(name, call, R)                                                          \
+    DEFINE_TILE(name, call(R, 1), R, 1) DEFINE_TILE(name, call(R, 2), R, 2)                        \
+    DEFINE_TILE(name, call(R, 3), R, 3) DEFINE_TILE(name, call(R, 4), R, 4)                        \
+    DEFINE_TILE(name, call(R, 5), R, 5) DEFINE_TILE(name, call(R, 6), R, 6)
+#define TILE_WIDTHS(name, R) {NULL, name##_##R##x1, name##_##R##x2, name##_##R##x3, name##_##R##x4, name##_##R##x5, name##_##R##x6}
 
-/* the other types: one weight row against CMAX columns (a q4_K or q6_K block's unpacking is
- * shared by the columns; the converted blocks are small) */
-#define DEFINE_ROW_TILES(T)                                                                        \
-    static void row_##T##_1x##CMAX##_(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
-        (void)xs; dot_cols(T, K, x, ys, CMAX, o);                                                  \
-    }                                                                                              \
-    static void row_##T##_1x1_(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
-        (void)xs; dot_cols(T, K, x, ys, 1, o);                                                     \
-    }                                                                                              \
-    static const tiles T##_tiles = {1, CMAX, row_##T##_1x##CMAX##_, row_##T##_1x##CMAX##_, row_##T##_1x1_, row_##T##_1x1_};
-DEFINE_ROW_TILES(MG_Q4_0)
-DEFINE_ROW_TILES(MG_Q4_K)
-DEFINE_ROW_TILES(MG_Q6_K)
-DEFINE_ROW_TILES(MG_F16)
-DEFINE_ROW_TILES(MG_BF16)
+/* q8_0: Q8_TR x C tiles */
+#define Q8_0_CALL(R, C) tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o)
+DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 1)
+#if Q8_TR == 4
+DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 4)
+static const tiles q8_0_tiles = {4, Q8_TC, TILE_WIDTHS(q8_0, 4), TILE_WIDTHS(q8_0, 1)};
+#elif Q8_TR == 2
+DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 2)
+static const tiles q8_0_tiles = {2, Q8_TC, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
+#else
+#error "Q8_TR is 2 or 4"
+#endif
+
+/* the other types: one weight row against up to CMAX columns (a q4_K or q6_K block's unpacking
+ * is shared by the columns; the converted blocks are small) */
+#define ROW_TILES(T)                                                                               \
+    DEFINE_TILE_WIDTHS(T, T##_CALL, 1)                                                             \
+    static const tiles T##_tiles = {1, CMAX, TILE_WIDTHS(T, 1), TILE_WIDTHS(T, 1)};
+#define q4_0_CALL(R, C) dot_cols(MG_Q4_0, K, x, ys, C, o)
+#define q4_K_CALL(R, C) dot_cols(MG_Q4_K, K, x, ys, C, o)
+#define q6_K_CALL(R, C) dot_cols(MG_Q6_K, K, x, ys, C, o)
+#define f16_CALL(R, C) dot_cols(MG_F16, K, x, ys, C, o)
+#define bf16_CALL(R, C) dot_cols(MG_BF16, K, x, ys, C, o)
+ROW_TILES(q4_0)
+ROW_TILES(q4_K)
+ROW_TILES(q6_K)
+ROW_TILES(f16)
+ROW_TILES(bf16)
 
 /* weight rows [m0, m1) of one plane against all N converted rows, tile by tile; each output
  * comes out the same whichever tile computes it */
@@ -551,35 +573,19 @@ static void run_tiles(const tiles *t, const mg_tensor *a, const mg_tensor *b, co
                       int64_t m0, int64_t m1, int64_t i2, int64_t i3) {
     const int64_t K = a->ne[0], N = b->ne[1];
     const size_t xs = (size_t)a->nb[1];
-    float o[64];
-    int64_t j = 0;
-    for (; j < N; j += t->tc) {
-        const int C = N - j >= t->tc ? t->tc : 1;
-        if (C == 1) {   /* the last N % tc columns, one at a time */
-            for (; j < N; j++) {
-                const void *ys[1] = {mg_ptr(b, 0, j, i2, i3)};
-                int64_t i = m0;
-                for (; i + t->tr <= m1; i += t->tr) {
-                    t->one_col(K, ap + i * xs, xs, ys, o);
-                    for (int r = 0; r < t->tr; r++) mg_store_f32(mg_ptr(d, i + r, j, i2, i3), o[r]);
-                }
-                for (; i < m1; i++) {
-                    t->one(K, ap + i * xs, xs, ys, o);
-                    mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
-                }
-            }
-            break;
-        }
-        const void *ys[16];
+    float o[4 * TMAX];
+    for (int64_t j = 0; j < N; j += t->tc) {
+        const int C = (int)mg_min64(t->tc, N - j);
+        const void *ys[TMAX];
         for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
         int64_t i = m0;
         for (; i + t->tr <= m1; i += t->tr) {
-            t->full(K, ap + i * xs, xs, ys, o);
+            t->rows[C](K, ap + i * xs, xs, ys, o);
             for (int r = 0; r < t->tr; r++)
                 for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
         }
         for (; i < m1; i++) {
-            t->one_row(K, ap + i * xs, xs, ys, o);
+            t->row[C](K, ap + i * xs, xs, ys, o);
             for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i, j + c, i2, i3), o[c]);
         }
     }
@@ -591,16 +597,15 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t mblk = (M + QMB - 1) / QMB, planes = b->ne[2] * b->ne[3];
-    static const tiles q8_0_tiles = TILES(tile_q8_0, Q8_TR, Q8_TC);
     const tiles *tl = NULL;
-    dot_fn f2, f1;
+    dot_fn f1;
     switch (a->type) {
-        case MG_Q8_0: f2 = dot_MG_Q8_0_2; f1 = dot_MG_Q8_0_1; tl = &q8_0_tiles; break;
-        case MG_Q4_0: f2 = dot_MG_Q4_0_2; f1 = dot_MG_Q4_0_1; tl = &MG_Q4_0_tiles; break;
-        case MG_Q4_K: f2 = dot_MG_Q4_K_2; f1 = dot_MG_Q4_K_1; tl = &MG_Q4_K_tiles; break;
-        case MG_Q6_K: f2 = dot_MG_Q6_K_2; f1 = dot_MG_Q6_K_1; tl = &MG_Q6_K_tiles; break;
-        case MG_F16: f2 = dot_MG_F16_2; f1 = dot_MG_F16_1; tl = &MG_F16_tiles; break;
-        case MG_BF16: f2 = dot_MG_BF16_2; f1 = dot_MG_BF16_1; tl = &MG_BF16_tiles; break;
+        case MG_Q8_0: f1 = dot_MG_Q8_0_1; tl = &q8_0_tiles; break;
+        case MG_Q4_0: f1 = dot_MG_Q4_0_1; tl = &q4_0_tiles; break;
+        case MG_Q4_K: f1 = dot_MG_Q4_K_1; tl = &q4_K_tiles; break;
+        case MG_Q6_K: f1 = dot_MG_Q6_K_1; tl = &q6_K_tiles; break;
+        case MG_F16: f1 = dot_MG_F16_1; tl = &f16_tiles; break;
+        case MG_BF16: f1 = dot_MG_BF16_1; tl = &bf16_tiles; break;
         default: return;   /* refused by the backend's type table */
     }
     int64_t j0, j1;
@@ -615,28 +620,15 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
                 for (int64_t i = m0; i < m1; i++) mg_store_f32(mg_ptr(d, i, j, i2, i3), 0.0f);
             continue;
         }
-        if (tl && N > 1) {   /* matrix x matrix */
+        if (N > 1) {   /* matrix x matrix: tiles */
             run_tiles(tl, a, b, d, ap, m0, m1, i2, i3);
             continue;
         }
-        /* pairs of columns, then the last one alone: each output is the same chain either way */
-        int64_t j = 0;
-        for (; j + 2 <= N; j += 2) {
-            const void *ys[2] = {mg_ptr(b, 0, j, i2, i3), mg_ptr(b, 0, j + 1, i2, i3)};
-            for (int64_t i = m0; i < m1; i++) {
-                float o[2];
-                f2(K, ap + i * a->nb[1], ys, o);
-                mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
-                mg_store_f32(mg_ptr(d, i, j + 1, i2, i3), o[1]);
-            }
-        }
-        for (; j < N; j++) {
-            const void *ys[1] = {mg_ptr(b, 0, j, i2, i3)};
-            for (int64_t i = m0; i < m1; i++) {
-                float o[1];
-                f1(K, ap + i * a->nb[1], ys, o);
-                mg_store_f32(mg_ptr(d, i, j, i2, i3), o[0]);
-            }
+        const void *ys[1] = {mg_ptr(b, 0, 0, i2, i3)};   /* matrix x vector: a stream over the rows */
+        for (int64_t i = m0; i < m1; i++) {
+            float o[1];
+            f1(K, ap + i * a->nb[1], ys, o);
+            mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
 }
