@@ -83,6 +83,15 @@ QBOUND = {"f16": 0.1, "bf16": 0.1, "q8_0": 0.1, "q4_0": 0.1, "q4_k_m": 0.1}
 # n_embd 64 in Q8_0 measures 0.34 x (one call off by 1.1e-2, the others exact), hence 0.5 and not
 # the 0.01 of the tests' 256-wide models; '!' marks what deserves a look.
 NMSE_BOUND = {"f16": 0.7, "bf16": 0.7, "q8_0": 0.5, "q4_0": 0.5, "q4_k_m": 0.5}
+# At real sizes a flip is not rare, and what it moves is carried through 512 tokens of recurrent
+# state: llama.cpp is that far from itself. Its own benign variant (weights not repacked, flash
+# attention on: the same model, another summation order) measured, in NMSE x the float model's,
+# 0.57 (mamba2 q4_k_m prefill512), 0.62 (qwen35 q4_k_m prefill512) and 0.57 (kimi q8_0
+# prefill512, flash attention alone), with minigraph 0.51, 0.54 and 0.67 from llama.cpp's default
+# on the same rows. So a row's bound is the larger of NMSE_BOUND and SPREAD_SLACK x llama.cpp's
+# own spread on that row; and minigraph must also be nearer llama.cpp than the float model (an
+# engine of float products would be near the float model instead).
+SPREAD_SLACK = 1.5
 NMSE_TARGET = 0.01
 N_VOCAB = 32000
 PROMPT = 8             # decode phases: prompt tokens per sequence before the timed steps
@@ -181,8 +190,13 @@ class DequantizedEngine(MinigraphEngine):
 
 
 class LlamaEngine:
-    def __init__(self, path, n_threads, n_seqs, n_ctx, eval_cb=None):
+    """llama.cpp on the file; variant=True: its benign variant (weights not repacked, flash
+    attention on), whose distance from the default measures llama.cpp's own spread (NMSE_BOUND)."""
+
+    def __init__(self, path, n_threads, n_seqs, n_ctx, eval_cb=None, variant=False):
         from minigraph.testing import llama_oracle as lo
+        if variant:
+            lo.weight_repacking = lambda: False
         L = lo.llama_cpp()
         default = getattr(L, "_mg_default_cparams", None) or L.llama_context_default_params
         L._mg_default_cparams = default
@@ -195,7 +209,7 @@ class LlamaEngine:
             return cp
         L.llama_context_default_params = params
         self.ll = lo.LlamaOracle(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs,
-                                 n_rs_seq=0, n_threads=n_threads)
+                                 n_rs_seq=0, n_threads=n_threads, flash_attn=variant)
         self.n_vocab = self.ll.n_vocab
 
     def clear(self):
@@ -485,6 +499,8 @@ def worker(cfg: dict, out_path: str) -> int:
     t0 = time.perf_counter()
     if engine == "dequantized":
         eng = DequantizedEngine(path, nt, sh["n_seqs"], n_ctx, f32_path=cfg["f32_path"])
+    elif engine == "llama-variant":
+        eng = LlamaEngine(path, nt, sh["n_seqs"], n_ctx, variant=True)
     else:
         eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
     load_s = time.perf_counter() - t0
@@ -681,10 +697,11 @@ def nmse(a_outs, b_outs) -> float:
     return num / max(den, 1e-300)
 
 
-def dequantized_outs(cfg: dict, timeout: float):
-    """The checked outputs of DequantizedEngine on this row's phase (a worker of its own), or an
+def reference_outs(cfg: dict, engine: str, timeout: float):
+    """The checked outputs of a reference engine on this row's phase ('dequantized': the float
+    model; 'llama-variant': llama.cpp's benign variant), in a worker of its own, or an
     {'error': one line} dict."""
-    w = Worker(dict(cfg, engine="dequantized", profile=False))
+    w = Worker(dict(cfg, engine=engine, profile=False))
     timer = None
     try:
         import threading
@@ -698,6 +715,31 @@ def dequantized_outs(cfg: dict, timeout: float):
         if timer is not None:
             timer.cancel()
         w.close()
+
+
+def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs) -> tuple:
+    """(refusal or None, the row's note) for a quantized row: minigraph's NMSE from llama.cpp
+    against the float model's, bounded by NMSE_BOUND or by llama.cpp's own spread (see there)."""
+    floats = max(nmse(float_outs, llama_outs), 1e-300)
+    mine = nmse(mg_outs, llama_outs)
+    ratio = mine / floats
+    if isinstance(variant_outs, dict):            # the variant did not run: the fixed bound only
+        spread, said = 0.0, f"llama.cpp variant failed: {variant_outs['error'][:60]}"
+    else:
+        spread = nmse(variant_outs, llama_outs) / floats
+        said = f"llama.cpp's own {spread:.2f} x"
+    bound = max(NMSE_BOUND[ftype], SPREAD_SLACK * spread)
+    to_float = nmse(mg_outs, float_outs)
+    n_ex = exact_calls(mg_outs, llama_outs)
+    note = (f"  calls exact {n_ex}/{len(llama_outs)}, nmse {mine:.1e} = {ratio:.2f} x float products"
+            f"{'!' if ratio > min(NMSE_TARGET, bound) else ''} ({said}, bound {bound:.2f})")
+    if ratio > bound:
+        return (f"logits differ: NMSE {mine:.3g} is {ratio:.3g} x a dequantize-then-f32 model's (> {bound:.2g}; "
+                f"{said}): not ggml's arithmetic; no speed reported"), note
+    if mine >= to_float:
+        return (f"logits differ: NMSE {mine:.3g} from llama.cpp, {to_float:.3g} from the dequantize-then-f32 "
+                f"model: nearer float products than ggml's arithmetic; no speed reported"), note
+    return None, note
 
 
 def exact_calls(a_outs, b_outs, tol=1e-6) -> int:
@@ -838,20 +880,18 @@ def main(argv=None) -> int:
                     flag, arith = "" if err <= (TARGET if ftype == "f32" else bound) else "!", ""
                     if ftype != "f32":
                         if phase not in deq:
-                            deq[phase] = dequantized_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)),
-                                                          120 if args.quick else 1800)
-                        if "error" in deq[phase]:
-                            say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: dequantized model: {deq[phase]['error']}")
+                            deq[phase] = {e: reference_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)), e,
+                                                            120 if args.quick else 1800)
+                                          for e in ("dequantized", "llama-variant")}
+                        if "error" in deq[phase]["dequantized"]:
+                            say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: dequantized model: "
+                                f"{deq[phase]['dequantized']['error']}")
                             rows.append((name, phase, nt, None))
                             continue
-                        mine, floats = nmse(res["minigraph"]["outs"], res["llama"]["outs"]), nmse(deq[phase], res["llama"]["outs"])
-                        ratio_nmse = mine / max(floats, 1e-300)
-                        n_ex = exact_calls(res["minigraph"]["outs"], res["llama"]["outs"])
-                        arith = (f"  calls exact {n_ex}/{len(res['llama']['outs'])}, "
-                                 f"nmse {mine:.1e} = {ratio_nmse:.1e} x float products{'!' if ratio_nmse > min(NMSE_TARGET, NMSE_BOUND[ftype]) else ''}")
-                        if ratio_nmse > NMSE_BOUND[ftype]:
-                            say(f"  {phase:13s} {ftype:6s} {nt:3d} logits differ: NMSE {mine:.3g} is {ratio_nmse:.3g} x a "
-                                f"dequantize-then-f32 model's (> {NMSE_BOUND[ftype]:g}): not ggml's arithmetic; no speed reported")
+                        refusal, arith = arithmetic_check(ftype, res["minigraph"]["outs"], res["llama"]["outs"],
+                                                          deq[phase]["dequantized"], deq[phase]["llama-variant"])
+                        if refusal:
+                            say(f"  {phase:13s} {ftype:6s} {nt:3d} {refusal}")
                             rows.append((name, phase, nt, None))
                             continue
                     if err > bound:
@@ -888,7 +928,9 @@ def main(argv=None) -> int:
                                                      if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
            + " are refused, and rows whose NMSE is above " + ", ".join(f"{t} {NMSE_BOUND[t]:g}" for t in FTYPES
                                                      if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
-           + " x a dequantize-then-f32 model's ('!' above 0.01 x; see QBOUND in bench/e2e.py)"))
+           + f" (or {SPREAD_SLACK:g} x llama.cpp's own spread, if larger: its NMSE with weights not repacked and "
+             "flash attention on) x a dequantize-then-f32 model's ('!' above 0.01 x), or nearer that model than "
+             "llama.cpp; see NMSE_BOUND in bench/e2e.py"))
     say(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {loadavg()}"
         + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     if args.write:

@@ -144,3 +144,29 @@ def test_a_worker_peak_rss_is_its_own_not_its_parents(tmp_path):
                       " check=True).stdout)\n")
     out = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.split()[-1]) < 300 << 20, out.stdout
+
+
+def test_arithmetic_check_bounds_by_llama_cpps_own_spread(e2e):
+    """A quantized row passes within NMSE_BOUND or SPREAD_SLACK x llama.cpp's own spread (of the
+    float model's NMSE), and only while minigraph is nearer llama.cpp than the float model.
+    Outputs built on orthogonal directions, so every NMSE is known exactly."""
+    import numpy as np
+    e = np.eye(6)
+
+    def outs(v):
+        return [{0: v}]
+    llama = 10 * e[0]
+    floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
+    mine = llama + np.sqrt(0.8) * e[2]                           # 0.8 x the float model's
+    variant = llama + np.sqrt(0.7) * e[3]                        # llama.cpp's own spread: 0.7 x
+    assert e2e.NMSE_BOUND["q8_0"] < 0.8 < e2e.SPREAD_SLACK * 0.7
+    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant))
+    assert refusal is None and "llama.cpp's own 0.70 x" in note and "0.80 x float products" in note, note
+    # without the variant only the fixed bound holds
+    refusal, _ = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), {"error": "refused"})
+    assert refusal and "not ggml's arithmetic" in refusal, refusal
+    # an engine of float products: within the bound, but nearer the float model than llama.cpp
+    refusal, _ = e2e.arithmetic_check("q8_0", outs(floats + 0.01 * e[4]), outs(llama), outs(floats), outs(variant))
+    assert refusal and "nearer float products" in refusal, refusal
+    # llama.cpp's own arithmetic: passes
+    assert e2e.arithmetic_check("q8_0", outs(llama + 1e-3 * e[5]), outs(llama), outs(floats), outs(variant))[0] is None
