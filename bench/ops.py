@@ -139,10 +139,10 @@ def mul_mat_case(n, k=4096, m=4096):
 
 
 def mul_mat_weights_case(t, n=1, k=4096, m=4096):
-    """matrix x vector with half / block-type weights (the decode step of a quantized model):
-    ggml converts the f32 vector to the weights' vec_dot_type, then integer dot products per
-    block; the weights are ggml-quantized random normals. NumPy multiplies the dequantized
-    matrix (converted once, outside the timing)."""
+    """matrix x vector (n=1: the decode step of a quantized model) or matrix x matrix (a prefill)
+    with half / block-type weights: ggml converts the f32 operand to the weights' vec_dot_type,
+    then integer dot products per block; the weights are ggml-quantized random normals. NumPy
+    multiplies the dequantized matrix (converted once, outside the timing)."""
     def weights(rng):
         w = rng.standard_normal((m, k)).astype(np.float32)
         return w.astype(np.float16) if t == mg.f16 else np.asarray(mg.quantize(w, t)).view(t.np_dtype).reshape(m, -1)
@@ -163,6 +163,7 @@ def mul_mat_weights_case(t, n=1, k=4096, m=4096):
 
 
 QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16")
+PREFILL_TYPES = ("q8_0", "q4_k", "q6_k")   # the types of the Q8_0 and Q4_K_M files bench/e2e.py runs
 
 
 def unary_case(op, ne0=4096, ne1=64):
@@ -219,6 +220,9 @@ def all_cases(quick):
     cases.append(mul_mat_case(4, k=768, m=3352))
     for name in QUANT_TYPES:
         cases.append(mul_mat_weights_case(getattr(mg, name)))
+    # a prefill's products: 512 tokens through a 2048x2048 quantized matrix
+    for name in PREFILL_TYPES:
+        cases.append(mul_mat_weights_case(getattr(mg, name), n=512, k=2048, m=2048))
     return cases
 
 
@@ -579,6 +583,7 @@ def main(argv=None):
     worst = None
     gemm = None
     weights = {}  # (weight type, threads) -> ggml/minigraph of the matrix x vector rows
+    prefill = {}  # the same for the matrix x matrix rows
     if not args.contention:
         bw = copy_bandwidth()
         out.append(f"NumPy copy bandwidth (read + write): {bw / 1e9:.1f} GB/s; {numpy_threads(1)}")
@@ -605,7 +610,7 @@ def main(argv=None):
                 if g and (worst is None or rg < worst[0]):
                     worst = (rg, case[0], case[1], nt)
                 if g and " weights " in case[1]:
-                    weights[(case[1].split()[0], nt)] = rg
+                    (weights if case[1].endswith("x1") else prefill)[(case[1].split()[0], nt)] = rg
                 if case[0] == "MUL_MAT" and case[1] == "4096x4096 by 4096x512" and (gemm is None or nt >= gemm[1]):
                     gemm = (rn, nt)
         if not args.filter and not over_budget():
@@ -641,6 +646,11 @@ def main(argv=None):
         tail.append("weights 4096x4096 x vector, ggml/minigraph (target >= 1.0 for q8_0, q4_0, q4_k): " +
                     "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in weights.items() if ty2 == ty)
                               for ty in dict.fromkeys(ty for ty, _ in weights)))
+    if prefill:
+        tail.append("weights 2048x2048 x 512 columns, ggml/minigraph (ggml's own CPU path, as this ggml "
+                    "runs it; llama.cpp repacks q4_K weights: bench/e2e.py): " +
+                    "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in prefill.items() if ty2 == ty)
+                              for ty in dict.fromkeys(ty for ty, _ in prefill)))
     if worst:
         tail.append(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
     elif not args.contention:

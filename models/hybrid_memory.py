@@ -165,16 +165,21 @@ class HybridMemory:
         self.recurrent.restore_meta(meta[0])
         self.kv.restore_meta(meta[1])
 
-    def byte_spans_written_by(self, ub: Ubatch) -> list:
-        """(tensor, byte offset, nbytes) the graph of ub may write, in both memories."""
-        return run_spans(self.byte_runs_written_by(ub))
+    def byte_spans_written_by(self, ub: Ubatch, live=None) -> list:
+        """(tensor, byte offset, nbytes) the graph of ub may write, in both memories (live: the
+        recurrent cells whose rows count, RecurrentMemory.rows_written_by)."""
+        return run_spans(self.byte_runs_written_by(ub, live))
 
-    def byte_runs_written_by(self, ub: Ubatch) -> list:
+    def byte_runs_written_by(self, ub: Ubatch, live=None) -> list:
         """The same as (tensor, byte offset, stride, count, nbytes) runs: one per recurrent row
         range and tensor, and the KV cache's (its V as strided runs)."""
         rec = self.recurrent
-        return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub)
+        return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub, live)
                 for t in rec.tensors()] + self.kv.byte_runs_written_by(ub)
+
+    def live_cells(self, meta: tuple | None = None) -> frozenset:
+        """The recurrent cells that hold a sequence: now, or in `meta` (a meta_copy)."""
+        return self.recurrent.live_cells(None if meta is None else meta[0])
 
     def read_span(self, t, offs: int, n: int) -> np.ndarray:
         return self.kv.read_span(t, offs, n)       # the same raw byte access for every tensor

@@ -645,7 +645,7 @@ class RecurrentMemory:
         self._set_meta(snap.meta)
 
     # -- the rows a ubatch writes (failure atomicity) -------------------------------------------
-    def rows_written_by(self, ub: Ubatch) -> list[tuple[int, int]]:
+    def rows_written_by(self, ub: Ubatch, live=None) -> list[tuple[int, int]]:
         """The cache rows (row0, count), coalesced, that the graph of `ub` may write, ub having just
         been placed by find_slot at [head, head+n). The same rows in every r/s tensor:
 
@@ -654,6 +654,11 @@ class RecurrentMemory:
         - planes 0..min(n_seq_tokens, K)-1 of the ubatch's own cells [head, head+n_seqs): the conv
           store and the ssm/delta-net state store write one rollback plane per token kept.
 
+        live (a set of cell ids, live_cells()): only the rows of those cells. A step's undo journal
+        passes the cells that held a sequence when the step began: the rows of the others hold
+        nothing the restored memory reads (an empty cell that takes a sequence reads its state
+        from the zeroed rs_z row, never its own bytes), so a prompt of new sequences saves none.
+
         This is what a step's undo journal copies, so its cost follows the ubatch, not mem_size."""
         if self.n < ub.n_seqs:
             raise ValueError(f"rows_written_by: the memory range holds {self.n} cells, the ubatch "
@@ -661,7 +666,14 @@ class RecurrentMemory:
         spans = [(self.head, self.n)]
         for plane in range(1, min(ub.n_seq_tokens, self.K)):
             spans.append((plane * self.size + self.head, ub.n_seqs))
+        if live is not None:
+            spans = [(row0 + i, 1) for row0, count in spans for i in range(count) if (row0 + i) % self.size in live]
         return coalesce_rows(spans)
+
+    def live_cells(self, meta: dict | None = None) -> frozenset:
+        """The cells that hold a sequence: now, or in `meta` (a meta_copy)."""
+        cells = self.cells if meta is None else meta["cells"]
+        return frozenset(i for i, c in enumerate(cells) if not c.is_empty())
 
     def reads_rows_in_place(self, ub: Ubatch) -> bool:
         """True when the graph of `ub` (just placed by find_slot) writes only plane 0 of its own

@@ -18,6 +18,10 @@ gives either memory's set as strided runs of equal spans (a hybrid names those i
 layer and cell run covers V's channel rows), the one form the journal (and the tests) use;
 `spans_written_by` the same bytes as plain spans.
 
+Rows of cells that held no sequence when the step began are not copied (`live`): nothing reads
+them once the metadata is back (a cell that takes a sequence reads its state from the zeroed rs_z
+row), so a prompt of new sequences saves nothing of theirs.
+
 Rows the graph reads in place are not copied at all. When every sequence of the ubatch stays in
 its own cell and nothing else moves (`RecurrentMemory.reads_rows_in_place`: a plain decode step,
 no rollback, no tail cells), build_rs's gather of each cache tensor reads exactly the rows the graph
@@ -49,25 +53,27 @@ from .batch import Ubatch
 from .memory import RecurrentMemory
 
 
-def spans_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int]]:
+def spans_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, int]]:
     """(tensor, byte offset, nbytes) of everything the graph of `ub` (just placed by find_slot)
     may write, for either memory: a hybrid memory names its spans (byte_spans_written_by), a
     recurrent memory its rows (rows_written_by), here one span per coalesced row range per r/s
-    tensor. The journal copies exactly these; tests spy on this one function for both kinds."""
+    tensor; live: only the rows of those recurrent cells (the journal's: the cells that held a
+    sequence when the step began). The journal copies exactly these; tests spy on this one
+    function for both kinds."""
     if hasattr(memory, "byte_spans_written_by"):
-        return memory.byte_spans_written_by(ub)
-    rows = memory.rows_written_by(ub)
+        return memory.byte_spans_written_by(ub, live)
+    rows = memory.rows_written_by(ub, live)
     return [(t, row0 * t.nb[1], count * t.nb[1]) for t in memory.tensors() for row0, count in rows]
 
 
-def runs_written_by(memory, ub: Ubatch) -> list[tuple[object, int, int, int, int]]:
+def runs_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, int, int, int]]:
     """The same bytes as spans_written_by, as (tensor, byte offset, stride, count, nbytes) runs
     (strided_runs): what the journal copies. A memory that names its runs itself
     (byte_runs_written_by: a hybrid's transposed V, one strided run per layer and cell run) skips
     building and regrouping thousands of small spans; tests spy on this function."""
     if hasattr(memory, "byte_runs_written_by"):
-        return memory.byte_runs_written_by(ub)
-    return strided_runs(spans_written_by(memory, ub))
+        return memory.byte_runs_written_by(ub, live)
+    return strided_runs(spans_written_by(memory, ub, live))
 
 
 def read_span(memory, t, offs: int, n: int) -> np.ndarray:
@@ -125,6 +131,7 @@ class StepJournal:
         self.memory = memory
         self.defer = defer         # may rows be left to the graph's gathers (bind)
         self.meta = memory.meta_copy()
+        self.live = memory.live_cells(self.meta)    # the cells whose rows an undo must put back
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
         self.witnessed = 0                                        # state bytes left to graph gathers
@@ -164,7 +171,7 @@ class StepJournal:
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
         one short span per channel row) are copied as one strided block, not one by one."""
         self._settle()               # the last graph's gathers are about to be overwritten
-        runs = runs_written_by(self.memory, ub)
+        runs = runs_written_by(self.memory, ub, self.live)
         rec = getattr(self.memory, "recurrent", self.memory)
         if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
             # the graph's gathers will hold these rows' old bytes: bind() decides, per tensor

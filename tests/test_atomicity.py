@@ -53,9 +53,23 @@ def make_runner(name, device, model=None, **kw):
 def whole_memory(r):
     """Every observable of the memory: metadata (cells, head, n, used, rs_z, rs_idx, n_last; a
     hybrid's KV cells too) and the raw bytes of every r/s (and K/V) tensor, plus the printed
-    cell table."""
+    cell table. The r/s rows of cells that hold no sequence are not observable (a cell that
+    takes a sequence reads its state from the zeroed rs_z row, never its own bytes: the journal
+    does not save them, and continue_like_a_twin shows nothing reads them): they read as zeros."""
     m = r.memory
-    return comparable(m.meta_copy()), {t.name: t.numpy().tobytes() for t in m.tensors()}, str(m)
+    return comparable(m.meta_copy()), {t.name: live_bytes(r, t) for t in m.tensors()}, str(m)
+
+
+def live_bytes(r, t) -> bytes:
+    """The raw bytes of cache tensor t, the r/s rows of empty cells zeroed."""
+    raw = t.numpy().tobytes()
+    rec = getattr(r.memory, "recurrent", r.memory)
+    dead = [c for c in range(rec.size) if c not in rec.live_cells()]
+    if not dead or not any(t is u for u in rec.tensors()):
+        return raw
+    rows = np.frombuffer(raw, np.uint8).reshape(rec.K * rec.size, -1).copy()
+    rows[[p * rec.size + c for p in range(rec.K) for c in dead]] = 0
+    return rows.tobytes()
 
 
 def comparable(meta):
@@ -101,8 +115,8 @@ class ComputeFails:
         self.last_spans = None
         real_runs = step_journal.runs_written_by
 
-        def spy_runs(memory, ub):
-            runs = real_runs(memory, ub)
+        def spy_runs(memory, ub, live=None):
+            runs = real_runs(memory, ub, live)
             self.last_spans = run_spans(runs)
             return runs
         monkeypatch.setattr(step_journal, "runs_written_by", spy_runs)
@@ -421,27 +435,36 @@ def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, dev
     named = []
     real_runs = step_journal.runs_written_by
     monkeypatch.setattr(step_journal, "runs_written_by",
-                        lambda mem, ub: named.extend(run_spans(real_runs(mem, ub))) or real_runs(mem, ub))
+                        lambda mem, ub, live=None: named.extend(run_spans(real_runs(mem, ub, live)))
+                        or real_runs(mem, ub, live))
     rec = getattr(r.memory, "recurrent", r.memory)
-    n_range_wider_than_ubatch = 0
+    n_range_wider_than_ubatch = n_new_cells = 0
     for step in SCRIPT:
         if isinstance(step, tuple):
             op, seq, *k = step
             assert r.rollback(seq, *k) if op == "rollback" else r.memory.seq_rm(seq, -1, -1)
             continue
         before = {t.name: t.numpy().tobytes() for t in r.memory.tensors()}
+        dead = [c for c in range(rec.size) if c not in rec.live_cells()]
         named.clear()
         r.decode_seq_tokens(step)
         n_range_wider_than_ubatch += rec.n > len(step)
+        n_new_cells += len(set(dead) & rec.live_cells())
         allowed = {t.name: np.zeros(t.nbytes(), bool) for t in r.memory.tensors()}
         for t, offs, n in named:
             allowed[t.name][offs:offs + n] = True
+        for t in rec.tensors():          # the rows of cells empty before the step: never saved
+            for c in dead:
+                for p in range(rec.K):
+                    row = p * rec.size + c
+                    allowed[t.name][row * t.nb[1]:(row + 1) * t.nb[1]] = True
         for t in r.memory.tensors():
             old = np.frombuffer(before[t.name], np.uint8)
             changed = old != np.frombuffer(t.numpy().tobytes(), np.uint8)
             outside = np.flatnonzero(changed & ~allowed[t.name])
             assert not outside.size, f"{t.name}: step {step} changed bytes {outside[:8]} outside the named spans"
     assert n_range_wider_than_ubatch                     # the tail-copy case was exercised
+    assert n_new_cells                                   # and sequences taking empty cells
 
 
 # the r/s caches whose rows the graph copies itself: build_rs's gathers, and for mamba2's s rows,
@@ -517,7 +540,8 @@ def test_decode_steps_drop_the_prompts_arena(monkeypatch, device):
     new one, and still undoes a failure."""
     monkeypatch.setattr(step_journal, "ARENA_KEEP_BYTES", 1 << 10)
     r = make_runner("mamba2", device, n_rs_seq=0, mem_size=2)
-    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    r.decode_seq_tokens({0: [1], 1: [4]})          # new sequences: nothing of theirs is saved
+    r.decode_seq_tokens({0: [2, 3], 1: [5, 6]})    # more of their prompt: every row they write
     prompt_arena = step_journal._ARENAS[r.memory].size
     assert prompt_arena >= 2 * sum(t.nb[1] for t in r.memory.tensors())
     r.decode_seq_tokens({0: [7], 1: [8]})
@@ -572,6 +596,28 @@ def test_a_ubatch_grows_the_arena_once(monkeypatch):
     monkeypatch.setattr(step_journal, "np", CountingNp())
     monkeypatch.setattr(step_journal, "_ARENAS", step_journal.weakref.WeakKeyDictionary())
     r = make_runner("mamba2", "cpu", n_ubatch=64)
-    r.decode_seq_tokens({q: [1 + q, 2, 3, 4, 5, 6] for q in range(4)})     # one ubatch, new sequences
-    assert r.stats.ubatches == 1 and r.stats.snapshot_bytes > 1 << 16       # past the smallest arena
+    r.decode_seq_tokens({q: [1 + q] for q in range(4)})                     # new sequences: nothing saved
+    assert r.stats.snapshot_bytes == 0 and made == []
+    r.decode_seq_tokens({q: [2, 3, 4, 5, 6] for q in range(4)})             # one ubatch, all their rows
+    assert r.stats.ubatches == 2 and r.stats.snapshot_bytes > 1 << 16       # past the smallest arena
     assert made == [r.stats.snapshot_bytes], made
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_new_sequences_rows_are_not_saved_and_a_failure_is_undone(monkeypatch, name, device):
+    """A step whose sequences take empty cells saves none of their rows (a prompt of 4 new
+    sequences of mamba2-130m would copy 73 MiB), and a failure in it still leaves a memory that
+    decodes exactly as one that never saw the step."""
+    r = make_runner(name, device)
+    twin = make_runner(name, device, model=r.model)
+    r.decode_seq_tokens({0: [1, 2, 3]}), twin.decode_seq_tokens({0: [1, 2, 3]})
+    saved = r.stats.snapshot_bytes + r.stats.witnessed_bytes
+    assert saved == 0 or getattr(r.memory, "kv", None) is not None          # a hybrid's KV cells only
+    before = whole_memory(r)
+    ComputeFails(monkeypatch, r)
+    with pytest.raises(Injected):
+        r.decode_seq_tokens({0: [4], 1: [5, 6], 2: [7]})   # seqs 1 and 2 new: their cells were empty
+    assert_same_memory(whole_memory(r), before)
+    monkeypatch.undo()
+    continue_like_a_twin(r, twin, steps=({0: [8], 1: [5, 6], 2: [7]}, {0: [9], 1: [10], 2: [11]}))
