@@ -619,5 +619,12 @@ def test_new_sequences_rows_are_not_saved_and_a_failure_is_undone(monkeypatch, n
     with pytest.raises(Injected):
         r.decode_seq_tokens({0: [4], 1: [5, 6], 2: [7]})   # seqs 1 and 2 new: their cells were empty
     assert_same_memory(whole_memory(r), before)
+    # the rows the failed step wrote in empty cells are zeroed (one may become the zero row, which
+    # build_rs clears by scaling with 0: a NaN there would stay)
+    rec = getattr(r.memory, "recurrent", r.memory)
+    for t in rec.tensors():
+        rows = t.numpy().reshape(rec.K * rec.size, -1)
+        for c in set(range(rec.size)) - rec.live_cells():
+            assert not rows[[p * rec.size + c for p in range(rec.K)]].any(), f"{t.name}: cell {c} not zeroed"
     monkeypatch.undo()
     continue_like_a_twin(r, twin, steps=({0: [8], 1: [5, 6], 2: [7]}, {0: [9], 1: [10], 2: [11]}))
