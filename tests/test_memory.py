@@ -346,8 +346,12 @@ def test_rows_written_by_a_ubatch():
     u = ub(([1], 4, 2))
     assert m.find_slot(u) and m.head == 1 and m.rows_written_by(u) == [(1, 1), (5, 1)]
     full = mem(size=2, n_rs_seq=2)
+    live = full.live_cells()
     u = ub(([0], 0, 4), ([1], 0, 4))
     assert full.find_slot(u) and full.rows_written_by(u) == [(0, 6)]    # the planes touch: one span
+    # only the rows of the cells that held a sequence before: none, then cell 1's planes
+    assert live == frozenset() and full.rows_written_by(u, live) == []
+    assert full.live_cells() == {0, 1} and full.rows_written_by(u, frozenset({1})) == [(1, 1), (3, 1), (5, 1)]
     t = full.tensors()[0]
     raw = np.arange(2 * t.nb[1], dtype=np.int64).astype(np.uint8)
     full.write_row_bytes(t, 3, raw)
