@@ -132,6 +132,10 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
 static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const char *xrow, size_t xs,
                                                             const void *const *ys, const int R, const int C,
                                                             float *out) {
+    if (R == 1) {   /* one weight row: the matrix x vector stream (the same chain as the tiles) */
+        dot_q8_0(nb, xrow, ys, C, out);
+        return;
+    }
 #if MG_VNNI
     /* vpdpbusd multiplies unsigned by signed bytes: with x + 128 as the unsigned side, each lane
      * starts from -128 * (its 4 converted values) and ends at exactly the sum of x * y. The
@@ -522,45 +526,46 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
     }
 }
 
-#define DEFINE_DOT(T)                                                                                   \
-    static void dot_##T##_1(int64_t K, const char *x, const void *const *ys, float *o) { dot_cols(T, K, x, ys, 1, o); }
-DEFINE_DOT(MG_Q8_0)
-DEFINE_DOT(MG_Q4_0)
-DEFINE_DOT(MG_Q4_K)
-DEFINE_DOT(MG_Q6_K)
-DEFINE_DOT(MG_F16)
-DEFINE_DOT(MG_BF16)
-
-typedef void (*dot_fn)(int64_t K, const char *x, const void *const *ys, float *o);
-
 /* rows of src0 per job: a job's weights (16 rows of at most K * 34/32 bytes) are re-read from
  * cache for every src1 row */
 #define QMB 16
 
-/* The matrix x matrix kernels: rows[C] computes a tile of tr weight rows by C columns, row[C]
- * one weight row by C columns (the rows left over), for C = 1..tc; K is the row length in
- * values, xs the weight row stride in bytes, o[r * C + c] the outputs. */
+/* A type's kernels: rows[C] computes a tile of tr weight rows by C columns, row[C] one weight
+ * row by C columns (the rows left over; row[1] is also matrix x vector), for C = 1..tc; K is
+ * the row length in values, xs the weight row stride in bytes, o[r * C + c] the outputs. */
 typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
 typedef struct { int tr, tc; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
 
-#define DEFINE_TILE(name, call, R, C)                                                              \
+/* the two kernel shapes behind the tiles, with one signature: q8_0's rows x columns tile, and
+ * the other types' one row against C columns (dot_cols; R is 1) */
+static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs,
+                                                            const void *const *ys, int R, int C, float *o) {
+    (void)t;
+    tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o);
+}
+static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs,
+                                                           const void *const *ys, int R, int C, float *o) {
+    (void)xs; (void)R;
+    dot_cols(t, K, x, ys, C, o);
+}
+
+#define DEFINE_TILE(name, kernel, T, R, C)                                                         \
     static void name##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
-        (void)xs; call;                                                                            \
+        kernel(T, K, x, xs, ys, R, C, o);                                                          \
     }
-#define DEFINE_TILE_WIDTHS(name, call, R)                                                          \
-    DEFINE_TILE(name, call(R, 1), R, 1) DEFINE_TILE(name, call(R, 2), R, 2)                        \
-    DEFINE_TILE(name, call(R, 3), R, 3) DEFINE_TILE(name, call(R, 4), R, 4)                        \
-    DEFINE_TILE(name, call(R, 5), R, 5) DEFINE_TILE(name, call(R, 6), R, 6)
+#define DEFINE_TILE_WIDTHS(name, kernel, T, R)                                                     \
+    DEFINE_TILE(name, kernel, T, R, 1) DEFINE_TILE(name, kernel, T, R, 2)                          \
+    DEFINE_TILE(name, kernel, T, R, 3) DEFINE_TILE(name, kernel, T, R, 4)                          \
+    DEFINE_TILE(name, kernel, T, R, 5) DEFINE_TILE(name, kernel, T, R, 6)
 #define TILE_WIDTHS(name, R) {NULL, name##_##R##x1, name##_##R##x2, name##_##R##x3, name##_##R##x4, name##_##R##x5, name##_##R##x6}
 
 /* q8_0: Q8_TR x C tiles */
-#define Q8_0_CALL(R, C) tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o)
-DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 1)
+DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 1)
 #if Q8_TR == 4
-DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 4)
+DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 4)
 static const tiles q8_0_tiles = {4, Q8_TC, TILE_WIDTHS(q8_0, 4), TILE_WIDTHS(q8_0, 1)};
 #elif Q8_TR == 2
-DEFINE_TILE_WIDTHS(q8_0, Q8_0_CALL, 2)
+DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 2)
 static const tiles q8_0_tiles = {2, Q8_TC, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
 #else
 #error "Q8_TR is 2 or 4"
@@ -568,19 +573,14 @@ static const tiles q8_0_tiles = {2, Q8_TC, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_
 
 /* the other types: one weight row against up to CMAX columns (a q4_K or q6_K block's unpacking
  * is shared by the columns; the converted blocks are small) */
-#define ROW_TILES(T)                                                                               \
-    DEFINE_TILE_WIDTHS(T, T##_CALL, 1)                                                             \
-    static const tiles T##_tiles = {1, CMAX, TILE_WIDTHS(T, 1), TILE_WIDTHS(T, 1)};
-#define q4_0_CALL(R, C) dot_cols(MG_Q4_0, K, x, ys, C, o)
-#define q4_K_CALL(R, C) dot_cols(MG_Q4_K, K, x, ys, C, o)
-#define q6_K_CALL(R, C) dot_cols(MG_Q6_K, K, x, ys, C, o)
-#define f16_CALL(R, C) dot_cols(MG_F16, K, x, ys, C, o)
-#define bf16_CALL(R, C) dot_cols(MG_BF16, K, x, ys, C, o)
-ROW_TILES(q4_0)
-ROW_TILES(q4_K)
-ROW_TILES(q6_K)
-ROW_TILES(f16)
-ROW_TILES(bf16)
+#define ROW_TILES(name, T)                                                                         \
+    DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
+    static const tiles name##_tiles = {1, CMAX, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
+ROW_TILES(q4_0, MG_Q4_0)
+ROW_TILES(q4_K, MG_Q4_K)
+ROW_TILES(q6_K, MG_Q6_K)
+ROW_TILES(f16, MG_F16)
+ROW_TILES(bf16, MG_BF16)
 
 /* weight rows [m0, m1) of one plane against all N converted rows, tile by tile; each output
  * comes out the same whichever tile computes it */
@@ -588,7 +588,7 @@ static void run_tiles(const tiles *t, const mg_tensor *a, const mg_tensor *b, co
                       int64_t m0, int64_t m1, int64_t i2, int64_t i3) {
     const int64_t K = a->ne[0], N = b->ne[1];
     const size_t xs = (size_t)a->nb[1];
-    float o[4 * TMAX];
+    float o[Q8_TR * TMAX];   /* the tallest tile is q8_0's */
     for (int64_t j = 0; j < N; j += t->tc) {
         const int C = (int)mg_min64(t->tc, N - j);
         const void *ys[TMAX];
@@ -612,15 +612,14 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t r2 = b->ne[2] / a->ne[2], r3 = b->ne[3] / a->ne[3];
     const int64_t mblk = (M + QMB - 1) / QMB, planes = b->ne[2] * b->ne[3];
-    const tiles *tl = NULL;
-    dot_fn f1;
+    const tiles *tl;
     switch (a->type) {
-        case MG_Q8_0: f1 = dot_MG_Q8_0_1; tl = &q8_0_tiles; break;
-        case MG_Q4_0: f1 = dot_MG_Q4_0_1; tl = &q4_0_tiles; break;
-        case MG_Q4_K: f1 = dot_MG_Q4_K_1; tl = &q4_K_tiles; break;
-        case MG_Q6_K: f1 = dot_MG_Q6_K_1; tl = &q6_K_tiles; break;
-        case MG_F16: f1 = dot_MG_F16_1; tl = &f16_tiles; break;
-        case MG_BF16: f1 = dot_MG_BF16_1; tl = &bf16_tiles; break;
+        case MG_Q8_0: tl = &q8_0_tiles; break;
+        case MG_Q4_0: tl = &q4_0_tiles; break;
+        case MG_Q4_K: tl = &q4_K_tiles; break;
+        case MG_Q6_K: tl = &q6_K_tiles; break;
+        case MG_F16: tl = &f16_tiles; break;
+        case MG_BF16: tl = &bf16_tiles; break;
         default: return;   /* refused by the backend's type table */
     }
     int64_t j0, j1;
@@ -642,7 +641,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
         const void *ys[1] = {mg_ptr(b, 0, 0, i2, i3)};   /* matrix x vector: a stream over the rows */
         for (int64_t i = m0; i < m1; i++) {
             float o[1];
-            f1(K, ap + i * a->nb[1], ys, o);
+            tl->row[1](K, ap + i * a->nb[1], (size_t)a->nb[1], ys, o);
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
