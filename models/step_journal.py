@@ -76,9 +76,8 @@ def runs_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, in
     return strided_runs(spans_written_by(memory, ub, live))
 
 
-def dead_runs(rec: RecurrentMemory, ub: Ubatch, live) -> list:
-    """The runs of the rows of `rec`'s cells outside `live` that the graph of `ub` may write."""
-    dead = frozenset(range(rec.size)) - live
+def dead_runs(rec: RecurrentMemory, ub: Ubatch, dead) -> list:
+    """The runs of the rows of `rec`'s cells in `dead` that the graph of `ub` may write."""
     if not dead:
         return []
     return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub, dead)
@@ -141,7 +140,8 @@ class StepJournal:
         self.defer = defer         # may rows be left to the graph's gathers (bind)
         self.meta = memory.meta_copy()
         self.live = memory.live_cells(self.meta)    # the cells whose rows an undo must put back
-        self._dead: list = []      # runs of the other cells' rows the step's graphs may write
+        self.dead = frozenset(range(getattr(memory, "recurrent", memory).size)) - self.live   # the others
+        self._dead_runs: list = []      # runs of the dead cells' rows the step's graphs may write
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
         self.witnessed = 0                                        # state bytes left to graph gathers
@@ -183,7 +183,7 @@ class StepJournal:
         self._settle()               # the last graph's gathers are about to be overwritten
         runs = runs_written_by(self.memory, ub, self.live)
         rec = getattr(self.memory, "recurrent", self.memory)
-        self._dead += dead_runs(rec, ub, self.live)
+        self._dead_runs += dead_runs(rec, ub, self.dead)
         if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
             # the graph's gathers will hold these rows' old bytes: bind() decides, per tensor
             mine = set(rec.tensors())
@@ -263,7 +263,7 @@ class StepJournal:
         unwritten. The rows of cells that were empty are zeroed: nothing reads them, but one of
         them may become the zero row (rs_z) that build_rs clears by scaling with 0, which would
         keep a NaN a failed graph left there."""
-        for t, offs, _, _, n in self._dead:
+        for t, offs, _, _, n in self._dead_runs:
             write_span(self.memory, t, offs, np.zeros(n, np.uint8))
         for t, offs, data in reversed(self._held):
             if self._ran(data):

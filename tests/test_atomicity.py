@@ -64,12 +64,23 @@ def live_bytes(r, t) -> bytes:
     """The raw bytes of cache tensor t, the r/s rows of empty cells zeroed."""
     raw = t.numpy().tobytes()
     rec = getattr(r.memory, "recurrent", r.memory)
-    dead = [c for c in range(rec.size) if c not in rec.live_cells()]
+    dead = empty_cells(rec)
     if not dead or not any(t is u for u in rec.tensors()):
         return raw
     rows = np.frombuffer(raw, np.uint8).reshape(rec.K * rec.size, -1).copy()
-    rows[[p * rec.size + c for p in range(rec.K) for c in dead]] = 0
+    rows[cell_rows(rec, dead)] = 0
     return rows.tobytes()
+
+
+def empty_cells(rec) -> list:
+    """The recurrent memory's cells that hold no sequence."""
+    live = rec.live_cells()
+    return [c for c in range(rec.size) if c not in live]
+
+
+def cell_rows(rec, cells) -> list:
+    """The cache rows of the cells, every rollback plane."""
+    return [rec.row_index(c, p) for c in cells for p in range(rec.K)]
 
 
 def comparable(meta):
@@ -445,7 +456,7 @@ def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, dev
             assert r.rollback(seq, *k) if op == "rollback" else r.memory.seq_rm(seq, -1, -1)
             continue
         before = {t.name: t.numpy().tobytes() for t in r.memory.tensors()}
-        dead = [c for c in range(rec.size) if c not in rec.live_cells()]
+        dead = empty_cells(rec)
         named.clear()
         r.decode_seq_tokens(step)
         n_range_wider_than_ubatch += rec.n > len(step)
@@ -454,10 +465,8 @@ def test_spans_written_by_cover_every_byte_a_step_changes(monkeypatch, name, dev
         for t, offs, n in named:
             allowed[t.name][offs:offs + n] = True
         for t in rec.tensors():          # the rows of cells empty before the step: never saved
-            for c in dead:
-                for p in range(rec.K):
-                    row = p * rec.size + c
-                    allowed[t.name][row * t.nb[1]:(row + 1) * t.nb[1]] = True
+            for row in cell_rows(rec, dead):
+                allowed[t.name][row * t.nb[1]:(row + 1) * t.nb[1]] = True
         for t in r.memory.tensors():
             old = np.frombuffer(before[t.name], np.uint8)
             changed = old != np.frombuffer(t.numpy().tobytes(), np.uint8)
@@ -624,7 +633,7 @@ def test_new_sequences_rows_are_not_saved_and_a_failure_is_undone(monkeypatch, n
     rec = getattr(r.memory, "recurrent", r.memory)
     for t in rec.tensors():
         rows = t.numpy().reshape(rec.K * rec.size, -1)
-        for c in set(range(rec.size)) - rec.live_cells():
-            assert not rows[[p * rec.size + c for p in range(rec.K)]].any(), f"{t.name}: cell {c} not zeroed"
+        for c in empty_cells(rec):
+            assert not rows[cell_rows(rec, [c])].any(), f"{t.name}: cell {c} not zeroed"
     monkeypatch.undo()
     continue_like_a_twin(r, twin, steps=({0: [8], 1: [5, 6], 2: [7]}, {0: [9], 1: [10], 2: [11]}))
