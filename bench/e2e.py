@@ -198,21 +198,19 @@ class LlamaEngine:
 
     def __init__(self, path, n_threads, n_seqs, n_ctx, eval_cb=None, variant=False):
         from minigraph.testing import llama_oracle as lo
-        if variant:
-            lo.weight_repacking = lambda: False
         L = lo.llama_cpp()
         default = getattr(L, "_mg_default_cparams", None) or L.llama_context_default_params
         L._mg_default_cparams = default
 
         def params():
             cp = default()
-            cp.type_k = cp.type_v = 0              # GGML_TYPE_F32 K/V, as minigraph's cache
-            if eval_cb is not None:
+            if eval_cb is not None:                # the profile's per-op callback
                 cp.cb_eval = eval_cb
             return cp
         L.llama_context_default_params = params
-        self.ll = lo.LlamaOracle(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs,
-                                 n_rs_seq=0, n_threads=n_threads, flash_attn=variant)
+        # F32 K/V, as minigraph's cache
+        self.ll = lo.LlamaOracle(path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_seq_max=n_seqs, n_rs_seq=0,
+                                 n_threads=n_threads, kv_f32=True, flash_attn=variant, repack=not variant)
         self.n_vocab = self.ll.n_vocab
 
     def clear(self):
@@ -856,7 +854,7 @@ def main(argv=None) -> int:
         for ftype in ftypes + extra:
             path = write_model(name, spec, args.dir, ftype)
             bound = BOUND if ftype == "f32" else QBOUND[ftype]
-            deq = {}                                     # phase -> outputs of the dequantize-then-f32 model
+            refs = {}                                    # phase -> {reference engine: its outputs}
             say(f"  {ftype.upper()} file: {os.path.getsize(path) / (1 << 20):.0f} MiB")
             why = probe_llama(path)
             if why:
@@ -882,17 +880,17 @@ def main(argv=None) -> int:
                     err = rel_err(res["minigraph"]["outs"], res["llama"]["outs"])
                     flag, arith = "" if err <= (TARGET if ftype == "f32" else bound) else "!", ""
                     if ftype != "f32":
-                        if phase not in deq:
-                            deq[phase] = {e: reference_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)), e,
+                        if phase not in refs:
+                            refs[phase] = {e: reference_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)), e,
                                                             120 if args.quick else 1800)
                                           for e in ("dequantized", "llama-variant")}
-                        if "error" in deq[phase]["dequantized"]:
+                        if "error" in refs[phase]["dequantized"]:
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: dequantized model: "
-                                f"{deq[phase]['dequantized']['error']}")
+                                f"{refs[phase]['dequantized']['error']}")
                             rows.append((name, phase, nt, None))
                             continue
                         refusal, arith = arithmetic_check(ftype, res["minigraph"]["outs"], res["llama"]["outs"],
-                                                          deq[phase]["dequantized"], deq[phase]["llama-variant"])
+                                                          refs[phase]["dequantized"], refs[phase]["llama-variant"])
                         if refusal:
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} {refusal}")
                             rows.append((name, phase, nt, None))

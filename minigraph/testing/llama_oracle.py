@@ -234,7 +234,9 @@ class LlamaOracle:
 
     def __init__(self, path, *, n_ctx: int = 512, n_batch: int = 256, n_ubatch: int = 8,
                  n_seq_max: int = 1, n_rs_seq: int = 0, flash_attn: bool = False, n_threads: int = 1,
-                 kv_f32: bool = False):
+                 kv_f32: bool = False, repack: bool = True):
+        """repack=False: no repacked weights even where weight_repacking() allows them (the same
+        model in llama.cpp's plain CPU kernels, another summation order)."""
         L = llama_cpp()
         self.L, self.path = L, str(path)
         self.model = self.ctx = None
@@ -242,7 +244,7 @@ class LlamaOracle:
             raise LlamaOracleError(f"{path}: no such file")
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
-        mp.use_extra_bufts = weight_repacking()
+        mp.use_extra_bufts = repack and weight_repacking()
         _ERRORS.clear()
         self.model = L.llama_model_load_from_file(self.path.encode(), mp)
         if not self.model:
