@@ -548,6 +548,12 @@ def decode_graph_step(n_layer=24, n_embd=1024, reps=30):
     return out
 
 
+def ratios_by_type(ratios: dict) -> str:
+    """{(weight type, threads): ratio} as 'q8_0 1T 1.06, 2T 1.12; q4_0 ...' in the order measured."""
+    return "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in ratios.items() if ty2 == ty)
+                     for ty in dict.fromkeys(ty for ty, _ in ratios))
+
+
 def fmt(t):
     return f"{t * 1e6:9.1f}us" if t < 1e-3 else f"{t * 1e3:9.2f}ms"
 
@@ -643,14 +649,11 @@ def main(argv=None):
         else:
             tail.append("contention: worst 2-thread/1-thread ratio: n/a (no contention row within the budget)")
     if weights:
-        tail.append("weights 4096x4096 x vector, ggml/minigraph (target >= 1.0 for q8_0, q4_0, q4_k): " +
-                    "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in weights.items() if ty2 == ty)
-                              for ty in dict.fromkeys(ty for ty, _ in weights)))
+        tail.append("weights 4096x4096 x vector, ggml/minigraph (target >= 1.0 for q8_0, q4_0, q4_k): "
+                    + ratios_by_type(weights))
     if prefill:
         tail.append("weights 2048x2048 x 512 columns, ggml/minigraph (ggml's own CPU path, as this ggml "
-                    "runs it; llama.cpp repacks q4_K weights: bench/e2e.py): " +
-                    "; ".join(f"{ty} " + ", ".join(f"{nt}T {r:.2f}" for (ty2, nt), r in prefill.items() if ty2 == ty)
-                              for ty in dict.fromkeys(ty for ty, _ in prefill)))
+                    "runs it; llama.cpp repacks q4_K weights: bench/e2e.py): " + ratios_by_type(prefill))
     if worst:
         tail.append(f"min ratio ggml/minigraph: {worst[0]:.2f} ({worst[1]} at {worst[2]}, {worst[3]} threads)")
     elif not args.contention:
