@@ -79,12 +79,22 @@ static inline float hsum8(__m256 v) {
 #endif
 
 /* ---- q8_0 weights x q8_0 rows ---- */
+#if MG_QAVX2
+/* one block of one output: the 8 int32 lanes of x * y (pairs by maddubs with |x| against y
+ * carrying x's sign, then pairs of pairs), scaled by d = dx * dy into acc. y > -128 (converted
+ * rows never hold -128): no overflow in the sign flip; pairs stay below 2*128*127 (no int16
+ * saturation). ax = |qx|, made once per weight block */
+static inline __m256 q8_0_block_fma(__m256 acc, __m256i qx, __m256i ax, __m256i yq, float d) {
+    const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(yq, qx));
+    return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), acc);
+}
+#endif
+
 static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     const mg_block_q8_0 *x = (const mg_block_q8_0 *)xrow;
 #if MG_QAVX2
     __m256 acc[TMAX];
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b);
@@ -92,12 +102,8 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
         const __m256i ax = _mm256_sign_epi8(qx, qx);   /* |x| unsigned for maddubs, x's sign onto y */
         const float dx = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
-            /* y > -128 (converted rows never hold -128): no overflow in the sign flip; pairs stay
-             * below 2*128*127 (no int16 saturation) */
             const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y->qs), qx));
-            const __m256 d = _mm256_set1_ps(dx * mg_fp16_to_fp32(y->d));
-            acc[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[c]);
+            acc[c] = q8_0_block_fma(acc[c], qx, ax, _mm256_loadu_si256((const __m256i *)y->qs), dx * mg_fp16_to_fp32(y->d));
         }
     }
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
@@ -177,7 +183,6 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
     __m256 acc[Q8_TR][TMAX];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         __m256i xv[Q8_TR], ax[Q8_TR];
         float dx[Q8_TR];
@@ -191,10 +196,7 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
             const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
             const __m256i yq = _mm256_loadu_si256((const __m256i *)y->qs);
             const float dy = mg_fp16_to_fp32(y->d);
-            for (int r = 0; r < R; r++) {
-                const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yq, xv[r])), ones);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy), _mm256_cvtepi32_ps(s), acc[r][c]);
-            }
+            for (int r = 0; r < R; r++) acc[r][c] = q8_0_block_fma(acc[r][c], xv[r], ax[r], yq, dx[r] * dy);
         }
     }
     for (int r = 0; r < R; r++)
