@@ -127,11 +127,18 @@ def test_cuda_emulated_mul_mat_matches_ggml(t, layout):
 @pytest.mark.parametrize("t", BLOCKS, ids=lambda t: t.name)
 def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
     """Same integer sums, same scale products, same 8 float lanes and horizontal sum as ggml's
-    AVX2 vec_dot: identical bits (the build here and the ggml wheel are both AVX2)."""
+    AVX2 vec_dot: identical bits (the build here and the ggml wheel are both AVX2). A type whose
+    kernel puts 8 weight rows in the lanes instead (q4_K on AVX-512 VNNI + VBMI builds) sums each
+    row's blocks in one lane: the same integer sums and scale products, another f32 order."""
     if not cpu.lib.mg_quant_simd():
         pytest.skip("this build of the kernels has no AVX2 path (MINIGRAPH_PORTABLE or another ISA): "
                     "results agree with ggml to f32 rounding only, checked by the NMSE tests")
     got, want = _ggml_mul_mat_check(3, t, 4 * t.blck_size if t.blck_size == 256 else 1024, 37, 6, "padded")
+    if cpu.lib.mg_quant_row_group(cpu._TYPE_CODES[t]) > 1:
+        # f32 rounding of sums of 4 blocks: a few ulps of the largest partial sums
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        assert rel <= 1e-6, f"{t.name}: largest difference {rel:.3g} of the largest output against ggml"
+        return
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

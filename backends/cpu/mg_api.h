@@ -68,6 +68,9 @@ void mg_debug_backoff_left(int64_t ns);
 int mg_max_threads(void);   /* the CPUs this process may run on */
 int mg_thread_limit(void);  /* the most threads one plan run uses (the pool's size) */
 int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AVX2 path */
+/* weight rows that the kernel for weights of type t computes at once, one per vector lane: 1 is
+ * ggml's lane order (one row's partial sums across lanes); q4_K on AVX-512 VNNI + VBMI builds: 8 */
+int mg_quant_row_group(int t);
 /* MUL_MAT with weights of type t (enum mg_type) and an f32 src1: the type code of src1's rows
  * once converted (-1: no conversion, f32 weights) and the bytes of one converted row of k values */
 int mg_work_type(int t);

@@ -347,6 +347,141 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
 #endif
 }
 
+/* ---- q4_K: 8 weight rows at once (builds with AVX-512 VNNI and VBMI) ----
+ * dot_q4_K spends two multiplies per 32 values and output (maddubs, then the scale). Here the
+ * 8 rows' bytes are transposed into lanes (lane r holds row r's 4 bytes at one position), so
+ * one vpdpbusd against 4 converted values, broadcast, multiplies 8 rows at once; four of them
+ * give each lane 16 products (|sum| <= 16 * 15 * 128 < 2^15, an int16 held in an int32), and
+ * one vpdpwssd applies the 8 rows' scales (int32 lanes with the scale in the low half): 1.25
+ * multiplies per 32 values and output, and no horizontal sums.
+ * Each output is lane r's sum over blocks of (dy * d_r) * S + (-dy * dmin_r) * Mn, S and Mn the
+ * block's exact integer sums: a fixed order per (weight row, converted row), so results do not
+ * depend on the tile, the batch or the thread; they differ from ggml's vec_dot (8 partial lanes
+ * per row, one horizontal sum) by f32 rounding. Matrix x vector takes the same path. */
+#if MG_VNNI && defined(__AVX512VBMI__)
+#define Q4K_ROWS 8
+/* byte permutations of the 8 rows x 8 scales (row-major): SC_T makes sub-block-major rows of 8
+ * bytes (one per weight row); M_T makes, per pair of sub-blocks t, 8 rows x 2 bytes (m_2t, m_2t+1) */
+static const uint8_t Q4K_SC_T[64] __attribute__((aligned(64))) = {
+    0,8,16,24,32,40,48,56,1,9,17,25,33,41,49,57,2,10,18,26,34,42,50,58,3,11,19,27,35,43,51,59,
+    4,12,20,28,36,44,52,60,5,13,21,29,37,45,53,61,6,14,22,30,38,46,54,62,7,15,23,31,39,47,55,63};
+static const uint8_t Q4K_M_T[64] __attribute__((aligned(64))) = {
+    0,1,8,9,16,17,24,25,32,33,40,41,48,49,56,57,2,3,10,11,18,19,26,27,34,35,42,43,50,51,58,59,
+    4,5,12,13,20,21,28,29,36,37,44,45,52,53,60,61,6,7,14,15,22,23,30,31,38,39,46,47,54,55,62,63};
+
+/* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
+static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    #pragma GCC unroll 8
+    for (int h = 0; h < 2; h++) {   /* rows 4h..4h+3 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    #pragma GCC unroll 8
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* weight rows xrow + r * xs for r < nr (nr 1..8; the missing rows repeat the last) against C
+ * converted rows: out[r * C + c] */
+static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs, int nr,
+                                                              const void *const *ys, const int C, float *out) {
+    const mg_block_q4_K *xr[8];
+    #pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)(r < nr ? r : nr - 1) * xs);
+    const __m512i sc_t = _mm512_load_si512(Q4K_SC_T), m_t = _mm512_load_si512(Q4K_M_T);
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    __m256 acc[TMAX];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    uint32_t sc8[16] __attribute__((aligned(64))), m8[16] __attribute__((aligned(64)));
+    uint8_t sct[64] __attribute__((aligned(64))), mt[64] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
+        #pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const mg_block_q4_K *x = xr[r] + b;
+            PREFETCH(x); PREFETCH((const char *)x + 64);
+            q4_K_unpack(x->scales, sc8 + 2 * r, m8 + 2 * r);
+            dh = _mm_insert_epi16(dh, x->d, r);
+            mh = _mm_insert_epi16(mh, x->dmin, r);
+        }
+        _mm512_store_si512(sct, _mm512_permutexvar_epi8(sc_t, _mm512_load_si512(sc8)));
+        _mm512_store_si512(mt, _mm512_permutexvar_epi8(m_t, _mm512_load_si512(m8)));
+        /* the mins against each column's sums of 32 values, pairs of sub-blocks per vpdpwssd */
+        __m256i mn[TMAX], s[TMAX];
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+            const __m256i s8 = _mm256_castsi128_si256(
+                _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
+            mn[c] = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int t = 0; t < 4; t++)
+                mn[c] = _mm256_dpwssd_epi32(mn[c], _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(mt + 16 * t))),
+                                            _mm256_permutevar8x32_epi32(s8, _mm256_set1_epi32(t)));
+            s[c] = _mm256_setzero_si256();
+        }
+        for (int g = 0; g < 4; g++) {   /* 64 values: sub-blocks 2g (low nibbles) and 2g+1 (high) */
+            __m256i v[8];
+            #pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(xr[r][b].qs + 32 * g));
+            transpose8x8_epi32(v);
+            const __m256i scl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g))));
+            const __m256i sch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g + 1))));
+            #pragma GCC unroll 8
+            for (int h = 0; h < 2; h++) {   /* 16 products per lane, then the scale */
+                __m256i al[TMAX], ah[TMAX];
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) { al[c] = _mm256_setzero_si256(); ah[c] = _mm256_setzero_si256(); }
+                #pragma GCC unroll 8
+                for (int k = 4 * h; k < 4 * h + 4; k++) {
+                    const __m256i ql = _mm256_and_si256(v[k], lo4);
+                    const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4);
+                    #pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) {
+                        const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * g + 4 * k;
+                        int32_t yl, yh;
+                        memcpy(&yl, q8, 4); memcpy(&yh, q8 + 32, 4);
+                        al[c] = _mm256_dpbusd_epi32(al[c], ql, _mm256_set1_epi32(yl));
+                        ah[c] = _mm256_dpbusd_epi32(ah[c], qh, _mm256_set1_epi32(yh));
+                    }
+                }
+                #pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    s[c] = _mm256_dpwssd_epi32(s[c], al[c], scl);
+                    s[c] = _mm256_dpwssd_epi32(s[c], ah[c], sch);
+                }
+            }
+        }
+        const __m256 xd = _mm256_cvtph_ps(dh), xm = _mm256_cvtph_ps(mh);
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn[c]), _mm256_mul_ps(xm, _mm256_set1_ps(-dy)), acc[c]);
+        }
+    }
+    float o8[8 * TMAX] = {0};
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
+    #pragma GCC unroll 8
+    for (int r = 0; r < nr; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+}
+#endif
+
 /* ---- q6_K weights x q8_K rows ---- */
 static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
@@ -534,26 +669,29 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
 
 /* A type's kernels: rows[C] computes a tile of tr weight rows by C columns, row[C] one weight
  * row by C columns (the rows left over; row[1] is also matrix x vector), for C = 1..tc; K is
- * the row length in values, xs the weight row stride in bytes, o[r * C + c] the outputs. */
-typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
-typedef struct { int tr, tc; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
+ * the row length in values, xs the weight row stride in bytes, nr the rows wanted (tr, or fewer
+ * for a type whose rows are always computed in tiles: grouped), o[r * C + c] the outputs.
+ * grouped: rows[] gives other bits than row[] (q4_K's 8-row kernel), so every row of every
+ * product, matrix x vector included, goes through rows[], the last tile short. */
+typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, int nr, const void *const *ys, float *o);
+typedef struct { int tr, tc, grouped; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
 
 /* the two kernel shapes behind the tiles, with one signature: q8_0's rows x columns tile, and
  * the other types' one row against C columns (dot_cols; R is 1) */
-static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs,
+static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs, int nr,
                                                             const void *const *ys, int R, int C, float *o) {
-    (void)t;
+    (void)t; (void)nr;
     tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o);
 }
-static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs,
+static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs, int nr,
                                                            const void *const *ys, int R, int C, float *o) {
-    (void)xs; (void)R;
+    (void)xs; (void)R; (void)nr;
     dot_cols(t, K, x, ys, C, o);
 }
 
 #define DEFINE_TILE(name, kernel, T, R, C)                                                         \
-    static void name##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
-        kernel(T, K, x, xs, ys, R, C, o);                                                          \
+    static void name##_##R##x##C(int64_t K, const char *x, size_t xs, int nr, const void *const *ys, float *o) { \
+        kernel(T, K, x, xs, nr, ys, R, C, o);                                                      \
     }
 #define DEFINE_TILE_WIDTHS(name, kernel, T, R)                                                     \
     DEFINE_TILE(name, kernel, T, R, 1) DEFINE_TILE(name, kernel, T, R, 2)                          \
@@ -565,10 +703,10 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
 DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 1)
 #if Q8_TR == 4
 DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 4)
-static const tiles q8_0_tiles = {4, Q8_TC, TILE_WIDTHS(q8_0, 4), TILE_WIDTHS(q8_0, 1)};
+static const tiles q8_0_tiles = {4, Q8_TC, 0, TILE_WIDTHS(q8_0, 4), TILE_WIDTHS(q8_0, 1)};
 #elif Q8_TR == 2
 DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 2)
-static const tiles q8_0_tiles = {2, Q8_TC, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
+static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
 #else
 #error "Q8_TR is 2 or 4"
 #endif
@@ -577,9 +715,20 @@ static const tiles q8_0_tiles = {2, Q8_TC, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_
  * is shared by the columns; the converted blocks are small) */
 #define ROW_TILES(name, T)                                                                         \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
-    static const tiles name##_tiles = {1, CMAX, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
+    static const tiles name##_tiles = {1, CMAX, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
 ROW_TILES(q4_0, MG_Q4_0)
+#ifdef Q4K_ROWS
+/* q4_K: 8 rows by C columns, every row (the row kernels stay for other builds) */
+static inline __attribute__((always_inline)) void q4_K_tile(int t, int64_t K, const char *x, size_t xs, int nr,
+                                                            const void *const *ys, int R, int C, float *o) {
+    (void)t; (void)R;
+    tile_q4_K_8(K / MG_QK_K, x, xs, nr, ys, C, o);
+}
+DEFINE_TILE_WIDTHS(q4_K, q4_K_tile, MG_Q4_K, 8)
+static const tiles q4_K_tiles = {8, CMAX, 1, TILE_WIDTHS(q4_K, 8), TILE_WIDTHS(q4_K, 8)};
+#else
 ROW_TILES(q4_K, MG_Q4_K)
+#endif
 ROW_TILES(q6_K, MG_Q6_K)
 ROW_TILES(f16, MG_F16)
 ROW_TILES(bf16, MG_BF16)
@@ -590,19 +739,26 @@ static void run_tiles(const tiles *t, const mg_tensor *a, const mg_tensor *b, co
                       int64_t m0, int64_t m1, int64_t i2, int64_t i3) {
     const int64_t K = a->ne[0], N = b->ne[1];
     const size_t xs = (size_t)a->nb[1];
-    float o[Q8_TR * TMAX];   /* the tallest tile is q8_0's */
+    float o[8 * TMAX];   /* the tallest tile: q4_K's 8 rows */
     for (int64_t j = 0; j < N; j += t->tc) {
         const int C = (int)mg_min64(t->tc, N - j);
         const void *ys[TMAX];
         for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
         int64_t i = m0;
         for (; i + t->tr <= m1; i += t->tr) {
-            t->rows[C](K, ap + i * xs, xs, ys, o);
+            t->rows[C](K, ap + i * xs, xs, t->tr, ys, o);
             for (int r = 0; r < t->tr; r++)
                 for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
         }
+        if (t->grouped && i < m1) {   /* a short last tile */
+            const int nr = (int)(m1 - i);
+            t->rows[C](K, ap + i * xs, xs, nr, ys, o);
+            for (int r = 0; r < nr; r++)
+                for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
+            i = m1;
+        }
         for (; i < m1; i++) {
-            t->row[C](K, ap + i * xs, xs, ys, o);
+            t->row[C](K, ap + i * xs, xs, 1, ys, o);
             for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i, j + c, i2, i3), o[c]);
         }
     }
@@ -636,14 +792,14 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
                 for (int64_t i = m0; i < m1; i++) mg_store_f32(mg_ptr(d, i, j, i2, i3), 0.0f);
             continue;
         }
-        if (N > 1) {   /* matrix x matrix: tiles */
+        if (N > 1 || tl->grouped) {   /* matrix x matrix: tiles */
             run_tiles(tl, a, b, d, ap, m0, m1, i2, i3);
             continue;
         }
         const void *ys[1] = {mg_ptr(b, 0, 0, i2, i3)};   /* matrix x vector: a stream over the rows */
         for (int64_t i = m0; i < m1; i++) {
             float o[1];
-            tl->row[1](K, ap + i * a->nb[1], (size_t)a->nb[1], ys, o);
+            tl->row[1](K, ap + i * a->nb[1], (size_t)a->nb[1], 1, ys, o);
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
@@ -685,6 +841,14 @@ int mg_quant_simd(void) {
 #else
     return 0;
 #endif
+}
+
+int mg_quant_row_group(int t) {
+#ifdef Q4K_ROWS
+    if (t == MG_Q4_K) return Q4K_ROWS;
+#endif
+    (void)t;
+    return 1;
 }
 
 /* an internal step of MUL_MAT, not a registry op: the name says whose ("OP:step") */
