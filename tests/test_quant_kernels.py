@@ -127,9 +127,10 @@ def test_cuda_emulated_mul_mat_matches_ggml(t, layout):
 @pytest.mark.parametrize("t", BLOCKS, ids=lambda t: t.name)
 def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
     """Same integer sums, same scale products, same 8 float lanes and horizontal sum as ggml's
-    AVX2 vec_dot: identical bits (the build here and the ggml wheel are both AVX2). A type whose
-    kernel puts 8 weight rows in the lanes instead (q4_K on AVX-512 VNNI + VBMI builds) sums each
-    row's blocks in one lane: the same integer sums and scale products, another f32 order."""
+    AVX2 vec_dot: identical bits (the build here and the ggml wheel are both AVX2). Types whose
+    kernels put 8 weight rows in the lanes instead (q4_K and q6_K on AVX-512 VNNI + VBMI builds)
+    sum each row's blocks in one chain: the same integer sums and scale products, another f32
+    order."""
     if not cpu.lib.mg_quant_simd():
         pytest.skip("this build of the kernels has no AVX2 path (MINIGRAPH_PORTABLE or another ISA): "
                     "results agree with ggml to f32 rounding only, checked by the NMSE tests")
@@ -200,6 +201,36 @@ def test_mul_mat_is_batch_invariant(t, n_threads):
             assert np.array_equal(o, outs[1][: len(o)]), f"{t.name}: batch of {n} differs from one column at a time"
     finally:
         cpu.lib.mg_set_chunking(-1, -1)
+
+
+@pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
+def test_mul_mat_row_result_does_not_depend_on_its_tile(t):
+    """A weight row's outputs are the same bits whichever kernel computes it: dropping the first
+    rows moves every row to another place in the row tiles (q4_K, q6_K: from an 8-row tile to the
+    one-row kernel and back), by 1..6 columns and by one."""
+    rng = np.random.default_rng(12)
+    K = 3 * t.blck_size if t.is_quantized else 80
+    M = 27
+    wdata = rng.standard_normal((M, K)).astype(np.float32)
+    wdata = wdata.astype(np.float16) if t == f16 else np.asarray(mg.quantize(wdata, t)).view(t.np_dtype).reshape(M, -1)
+    for n in (1, 6):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        outs = []
+        for skip in (0, 1, 3, 5):
+            c = Context()
+            ww = c.new_tensor_2d(t, K, M - skip)
+            xx = c.new_tensor_2d(f32, K, n)
+            y = mg.mul_mat(ww, xx)
+            y.set_output()
+            g = mg.Graph().build_forward_expand(y)
+            be = _be(1, idx=61)
+            mg.alloc_ctx_tensors(c, be)
+            ww.set(wdata[skip:])
+            xx.set(x)
+            be.graph_compute(g)
+            outs.append((skip, y.numpy().reshape(n, M - skip)))
+        for skip, o in outs[1:]:
+            assert np.array_equal(o, outs[0][1][:, skip:]), f"{t.name} by {n}: rows moved by {skip} changed bits"
 
 
 @pytest.mark.oracle

@@ -32,6 +32,14 @@
 #define MG_VNNI 1   /* 256-bit vpdpwssd: int16 pair products added into int32 sums in one step */
 #endif
 #endif
+/* q4_K and q6_K with one weight row per lane, 8 rows at once (tile_q4_K_8, tile_q6_K_8), on builds
+ * with AVX-512 VNNI and VBMI. There an output is one f32 chain over its blocks' exact integer
+ * sums (one fma per block and term), which the one-row kernels then follow too: every kernel of
+ * the type gives the same bits, and ggml's (8 partial lanes, one horizontal sum) differ by f32
+ * rounding. Other builds keep ggml's lanes and bits. */
+#if MG_VNNI && defined(__AVX512VBMI__)
+#define MG_KROWS 8
+#endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
  * 2048 measured 0-15% faster than none here (AMD EPYC Zen 3, 4096x4096 matrix x vector). */
@@ -68,6 +76,23 @@ static inline __m256i add_madd16(__m256i acc, __m256i a, __m256i b) {
 #define Q4K_CHAINS 4
 #else
 #define Q4K_CHAINS 1
+#endif
+
+#ifdef MG_KROWS
+/* the int32 total of the lanes, in lane 0 (exact: the lanes are parts of one int32 sum) */
+static inline __m128i hsum4_epi32(__m128i s) {
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+}
+static inline __m128i hsum8_epi32(__m256i v) {
+    return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+/* one output's chain on MG_KROWS builds, in lane 0: acc + sum * d rounded once, as the 8-row
+ * kernels' lanes do (kept in vector registers: a scalar int to float conversion would wait on
+ * its destination's last value) */
+static inline __m128 chain_fma(__m128 acc, __m128i sum, float d) {
+    return _mm_fmadd_ss(_mm_cvtepi32_ps(sum), _mm_set_ss(d), acc);
+}
 #endif
 
 static inline float hsum8(__m256 v) {
@@ -275,6 +300,10 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
     __m128 accm[TMAX];
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int c = 0; c < C; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm_setzero_ps(); }
+#ifdef MG_KROWS
+    __m128 chain[TMAX];
+    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
+#endif
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64);
         uint32_t sc[2], m[2];
@@ -286,13 +315,21 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         /* the block's int32 sums, in nch chains: several columns are already independent chains */
         const int nch = C >= 3 ? 1 : Q4K_CHAINS;
         __m256i part[TMAX][Q4K_CHAINS];
+#ifdef MG_KROWS
+        __m128i mnsum[TMAX];
+#endif
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             const float dmin = -y->d * xdmin;
+#ifdef MG_KROWS
+            mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
+            (void)dmin;
+#else
             accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
+#endif
             for (int q = 0; q < nch; q++) part[c][q] = _mm256_setzero_si256();
         }
         for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
@@ -314,9 +351,21 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
             __m256i sumi = part[c][0];
             for (int q = 1; q < nch; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
+#ifdef MG_KROWS   /* tile_q4_K_8's chain: the block's two exact sums, one fma each */
+            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
+            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi), xd * dy);
+            chain[c] = chain_fma(chain[c], mnsum[c], xdmin * -dy);
+            (void)d;
+#else
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
+#endif
         }
     }
+#ifdef MG_KROWS
+    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
+    (void)acc; (void)accm;
+    return;
+#endif
     for (int c = 0; c < C; c++) {
         __m128 mm = _mm_add_ps(accm[c], _mm_movehl_ps(accm[c], accm[c]));
         mm = _mm_add_ss(mm, _mm_movehdup_ps(mm));
@@ -358,8 +407,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
  * block's exact integer sums: a fixed order per (weight row, converted row), so results do not
  * depend on the tile, the batch or the thread; they differ from ggml's vec_dot (8 partial lanes
  * per row, one horizontal sum) by f32 rounding. Matrix x vector takes the same path. */
-#if MG_VNNI && defined(__AVX512VBMI__)
-#define Q4K_ROWS 8
+#ifdef MG_KROWS
 /* byte permutations of the 8 rows x 8 scales (row-major): SC_T makes sub-block-major rows of 8
  * bytes (one per weight row); M_T makes, per pair of sub-blocks t, 8 rows x 2 bytes (m_2t, m_2t+1) */
 static const uint8_t Q4K_SC_T[64] __attribute__((aligned(64))) = {
@@ -369,45 +417,52 @@ static const uint8_t Q4K_M_T[64] __attribute__((aligned(64))) = {
     0,1,8,9,16,17,24,25,32,33,40,41,48,49,56,57,2,3,10,11,18,19,26,27,34,35,42,43,50,51,58,59,
     4,5,12,13,20,21,28,29,36,37,44,45,52,53,60,61,6,7,14,15,22,23,30,31,38,39,46,47,54,55,62,63};
 
+/* acc + the 4-byte dot products of w (unsigned) with the 4 signed bytes at p in every lane: the
+ * bytes come as an embedded broadcast (a load, no instruction of its own; GCC does not fold
+ * _mm256_set1_epi32 into vpdpbusd) */
+static inline __m256i dpbusd_bcast(__m256i acc, __m256i w, const void *p) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
 static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
     __m256i t[8], u[8];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int h = 0; h < 2; h++) {   /* rows 4h..4h+3 */
         u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
         u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
         u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
         u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < 4; k++) {
         v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
         v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
     }
 }
 
-/* weight rows xrow + r * xs for r < nr (nr 1..8; the missing rows repeat the last) against C
- * converted rows: out[r * C + c] */
-static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs, int nr,
+/* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c] */
+static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
                                                               const void *const *ys, const int C, float *out) {
     const mg_block_q4_K *xr[8];
-    #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)(r < nr ? r : nr - 1) * xs);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)r * xs);
     const __m512i sc_t = _mm512_load_si512(Q4K_SC_T), m_t = _mm512_load_si512(Q4K_M_T);
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     __m256 acc[TMAX];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     uint32_t sc8[16] __attribute__((aligned(64))), m8[16] __attribute__((aligned(64)));
     uint8_t sct[64] __attribute__((aligned(64))), mt[64] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
         __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             const mg_block_q4_K *x = xr[r] + b;
             PREFETCH(x); PREFETCH((const char *)x + 64);
@@ -419,14 +474,14 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         _mm512_store_si512(mt, _mm512_permutexvar_epi8(m_t, _mm512_load_si512(m8)));
         /* the mins against each column's sums of 32 values, pairs of sub-blocks per vpdpwssd */
         __m256i mn[TMAX], s[TMAX];
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m256i s8 = _mm256_castsi128_si256(
                 _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)));
             mn[c] = _mm256_setzero_si256();
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int t = 0; t < 4; t++)
                 mn[c] = _mm256_dpwssd_epi32(mn[c], _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(mt + 16 * t))),
                                             _mm256_permutevar8x32_epi32(s8, _mm256_set1_epi32(t)));
@@ -434,30 +489,28 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         }
         for (int g = 0; g < 4; g++) {   /* 64 values: sub-blocks 2g (low nibbles) and 2g+1 (high) */
             __m256i v[8];
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(xr[r][b].qs + 32 * g));
             transpose8x8_epi32(v);
             const __m256i scl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g))));
             const __m256i sch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g + 1))));
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int h = 0; h < 2; h++) {   /* 16 products per lane, then the scale */
                 __m256i al[TMAX], ah[TMAX];
-                #pragma GCC unroll 8
+#pragma GCC unroll 8
                 for (int c = 0; c < C; c++) { al[c] = _mm256_setzero_si256(); ah[c] = _mm256_setzero_si256(); }
-                #pragma GCC unroll 8
+#pragma GCC unroll 8
                 for (int k = 4 * h; k < 4 * h + 4; k++) {
                     const __m256i ql = _mm256_and_si256(v[k], lo4);
                     const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4);
-                    #pragma GCC unroll 8
+#pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
                         const int8_t *q8 = ((const mg_block_q8_K *)ys[c] + b)->qs + 64 * g + 4 * k;
-                        int32_t yl, yh;
-                        memcpy(&yl, q8, 4); memcpy(&yh, q8 + 32, 4);
-                        al[c] = _mm256_dpbusd_epi32(al[c], ql, _mm256_set1_epi32(yl));
-                        ah[c] = _mm256_dpbusd_epi32(ah[c], qh, _mm256_set1_epi32(yh));
+                        al[c] = dpbusd_bcast(al[c], ql, q8);
+                        ah[c] = dpbusd_bcast(ah[c], qh, q8 + 32);
                     }
                 }
-                #pragma GCC unroll 8
+#pragma GCC unroll 8
                 for (int c = 0; c < C; c++) {
                     s[c] = _mm256_dpwssd_epi32(s[c], al[c], scl);
                     s[c] = _mm256_dpwssd_epi32(s[c], ah[c], sch);
@@ -465,7 +518,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
             }
         }
         const __m256 xd = _mm256_cvtph_ps(dh), xm = _mm256_cvtph_ps(mh);
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
@@ -473,11 +526,11 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         }
     }
     float o8[8 * TMAX] = {0};
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
-    #pragma GCC unroll 8
-    for (int r = 0; r < nr; r++)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 8
         for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
 }
 #endif
@@ -490,6 +543,10 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
     __m256 acc[TMAX];
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+#ifdef MG_KROWS
+    __m128 chain[TMAX];
+    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
+#endif
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
@@ -527,9 +584,19 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
         const float xd = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
             const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+#ifdef MG_KROWS   /* tile_q6_K_8's chain: the block's exact sum, one fma */
+            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi[c]), xd * ((const mg_block_q8_K *)ys[c] + b)->d);
+            (void)d;
+#else
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+#endif
         }
     }
+#ifdef MG_KROWS
+    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
+    (void)acc;
+    return;
+#endif
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
 #else
     for (int c = 0; c < C; c++) {
@@ -556,6 +623,126 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
     }
 #endif
 }
+
+#ifdef MG_KROWS
+/* ---- q6_K: 8 weight rows at once (AVX-512 VNNI + VBMI builds) ----
+ * The same lanes as tile_q4_K_8 (lane r = row r): the 6-bit values, stored +32 and unsigned,
+ * go to vpdpbusd four at a time for 8 rows; a sub-block's 16 products per lane fit an int32
+ * (not an int16), so its scale is applied with one vpmulld per 8 rows, and 32 * sum(scale *
+ * bsum) is taken off per block as ggml does. Exact integer sums per block, then one fma per
+ * block in lane r: batch invariant; ggml's bits no longer (f32 rounding apart). */
+/* byte permutations of 8 rows x 16 scales (row-major, 128 bytes in two registers): sub-block-major
+ * rows of 8 bytes (sub-blocks 0..7, then 8..15), and per pair t of sub-blocks, 8 rows x 2 bytes */
+static const uint8_t Q6K_SC_T[2][64] __attribute__((aligned(64))) = {
+    {0,16,32,48,64,80,96,112,1,17,33,49,65,81,97,113,2,18,34,50,66,82,98,114,3,19,35,51,67,83,99,115,
+     4,20,36,52,68,84,100,116,5,21,37,53,69,85,101,117,6,22,38,54,70,86,102,118,7,23,39,55,71,87,103,119},
+    {8,24,40,56,72,88,104,120,9,25,41,57,73,89,105,121,10,26,42,58,74,90,106,122,11,27,43,59,75,91,107,123,
+     12,28,44,60,76,92,108,124,13,29,45,61,77,93,109,125,14,30,46,62,78,94,110,126,15,31,47,63,79,95,111,127}};
+static const uint8_t Q6K_PAIR_T[2][64] __attribute__((aligned(64))) = {
+    {0,1,16,17,32,33,48,49,64,65,80,81,96,97,112,113,2,3,18,19,34,35,50,51,66,67,82,83,98,99,114,115,
+     4,5,20,21,36,37,52,53,68,69,84,85,100,101,116,117,6,7,22,23,38,39,54,55,70,71,86,87,102,103,118,119},
+    {8,9,24,25,40,41,56,57,72,73,88,89,104,105,120,121,10,11,26,27,42,43,58,59,74,75,90,91,106,107,122,123,
+     12,13,28,29,44,45,60,61,76,77,92,93,108,109,124,125,14,15,30,31,46,47,62,63,78,79,94,95,110,111,126,127}};
+
+/* v[r] = 32 bytes at p[r] + off, transposed (v[k]: dword k of the 8 rows) and stored to t */
+static inline __attribute__((always_inline)) void load_rows_t(const char *const p[8], size_t off, __m256i t[8]) {
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
+    transpose8x8_epi32(v);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) _mm256_store_si256(t + k, v[k]);
+}
+
+static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const char *xrow, size_t xs,
+                                                              const void *const *ys, const int C, float *out) {
+    const mg_block_q6_K *xr[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q6_K *)(xrow + (size_t)r * xs);
+    const __m512i sc_a = _mm512_load_si512(Q6K_SC_T[0]), sc_b = _mm512_load_si512(Q6K_SC_T[1]);
+    const __m512i pr_a = _mm512_load_si512(Q6K_PAIR_T[0]), pr_b = _mm512_load_si512(Q6K_PAIR_T[1]);
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    int8_t scb[128] __attribute__((aligned(64))), sct[128] __attribute__((aligned(64))), spt[128] __attribute__((aligned(64)));
+    __m256i tl1[8], tl2[8], th[8];
+    for (int64_t b = 0; b < nb; b++) {
+        const char *ql[8], *qh[8];
+        __m128i dh = _mm_setzero_si128();
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const mg_block_q6_K *x = xr[r] + b;
+            PREFETCH(x); PREFETCH((const char *)x + 64); PREFETCH((const char *)x + 128);
+            _mm_store_si128((__m128i *)(scb + 16 * r), _mm_loadu_si128((const __m128i *)x->scales));
+            dh = _mm_insert_epi16(dh, x->d, r);
+            ql[r] = (const char *)x->ql; qh[r] = (const char *)x->qh;
+        }
+        const __m512i s0 = _mm512_load_si512(scb), s1 = _mm512_load_si512(scb + 64);
+        _mm512_store_si512(sct, _mm512_permutex2var_epi8(s0, sc_a, s1));
+        _mm512_store_si512(sct + 64, _mm512_permutex2var_epi8(s0, sc_b, s1));
+        _mm512_store_si512(spt, _mm512_permutex2var_epi8(s0, pr_a, s1));
+        _mm512_store_si512(spt + 64, _mm512_permutex2var_epi8(s0, pr_b, s1));
+        /* the +32 of the stored values: start from -32 * sum(scale * bsum), pairs of sub-blocks */
+        __m256i s[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const int16_t *bs = ((const mg_block_q8_K *)ys[c] + b)->bsums;
+            __m256i m = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                int32_t pair;
+                memcpy(&pair, bs + 2 * t, 4);
+                m = _mm256_dpwssd_epi32(m, _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(spt + 16 * t))),
+                                        _mm256_set1_epi32(pair));
+            }
+            s[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
+        }
+        for (int h = 0; h < 2; h++) {   /* 128 values: ql[64h..64h+63], qh[32h..32h+31] */
+            load_rows_t(ql, 64 * h, tl1);
+            load_rows_t(ql, 64 * h + 32, tl2);
+            load_rows_t(qh, 32 * h, th);
+            /* the 24 transposed registers live in memory (L1): kept in registers they would
+             * crowd out the accumulators and spill anyway */
+            __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {   /* values 32q + l: a nibble of ql, bits 2q..2q+1 of qh */
+#pragma GCC unroll 2
+                for (int u = 0; u < 2; u++) {   /* sub-block 8h + 2q + u: l = 16u .. 16u + 15 */
+                    __m256i a[TMAX];
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                    for (int k = 4 * u; k < 4 * u + 4; k++) {
+                        const __m256i l = (q & 1) ? tl2[k] : tl1[k];
+                        const __m256i lo = q < 2 ? _mm256_and_si256(l, m15) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m15);
+                        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(th[k], 2 * q), m3), 4);
+                        const __m256i w = _mm256_or_si256(lo, hi);
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; c++) {
+                            a[c] = dpbusd_bcast(a[c], w, ((const mg_block_q8_K *)ys[c] + b)->qs + 128 * h + 32 * q + 4 * k);
+                        }
+                    }
+                    const __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (8 * h + 2 * q + u))));
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_mullo_epi32(a[c], scv));
+                }
+            }
+        }
+        const __m256 xd = _mm256_cvtph_ps(dh);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
+        }
+    }
+    float o8[8 * TMAX] = {0};
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+}
+#endif
 
 /* ---- f16 / bf16 weights x rows of the same type: f32 products summed with fma ---- */
 #if MG_QAVX2
@@ -668,30 +855,28 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
 #define QMB 16
 
 /* A type's kernels: rows[C] computes a tile of tr weight rows by C columns, row[C] one weight
- * row by C columns (the rows left over; row[1] is also matrix x vector), for C = 1..tc; K is
- * the row length in values, xs the weight row stride in bytes, nr the rows wanted (tr, or fewer
- * for a type whose rows are always computed in tiles: grouped), o[r * C + c] the outputs.
- * grouped: rows[] gives other bits than row[] (q4_K's 8-row kernel), so every row of every
- * product, matrix x vector included, goes through rows[], the last tile short. */
-typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, int nr, const void *const *ys, float *o);
-typedef struct { int tr, tc, grouped; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
+ * row by C columns (the rows left over), for C = 1..tc; K is the row length in values, xs the
+ * weight row stride in bytes, o[r * C + c] the outputs. Matrix x vector takes row[1] for every
+ * row (a stream over the weights), or rows[1] where vec_tiles is set (faster there: q4_K's). */
+typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
+typedef struct { int tr, tc, vec_tiles; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
 
 /* the two kernel shapes behind the tiles, with one signature: q8_0's rows x columns tile, and
  * the other types' one row against C columns (dot_cols; R is 1) */
-static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs, int nr,
+static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs,
                                                             const void *const *ys, int R, int C, float *o) {
-    (void)t; (void)nr;
+    (void)t;
     tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o);
 }
-static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs, int nr,
+static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs,
                                                            const void *const *ys, int R, int C, float *o) {
-    (void)xs; (void)R; (void)nr;
+    (void)xs; (void)R;
     dot_cols(t, K, x, ys, C, o);
 }
 
 #define DEFINE_TILE(name, kernel, T, R, C)                                                         \
-    static void name##_##R##x##C(int64_t K, const char *x, size_t xs, int nr, const void *const *ys, float *o) { \
-        kernel(T, K, x, xs, nr, ys, R, C, o);                                                      \
+    static void name##_##R##x##C(int64_t K, const char *x, size_t xs, const void *const *ys, float *o) { \
+        kernel(T, K, x, xs, ys, R, C, o);                                                          \
     }
 #define DEFINE_TILE_WIDTHS(name, kernel, T, R)                                                     \
     DEFINE_TILE(name, kernel, T, R, 1) DEFINE_TILE(name, kernel, T, R, 2)                          \
@@ -717,19 +902,29 @@ static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {1, CMAX, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
 ROW_TILES(q4_0, MG_Q4_0)
-#ifdef Q4K_ROWS
-/* q4_K: 8 rows by C columns, every row (the row kernels stay for other builds) */
-static inline __attribute__((always_inline)) void q4_K_tile(int t, int64_t K, const char *x, size_t xs, int nr,
+#ifdef MG_KROWS
+/* q4_K, q6_K: 8 rows by C columns; the rows left over and matrix x vector by the one-row
+ * kernels, which follow the same chain on these builds */
+static inline __attribute__((always_inline)) void q4_K_tile(int t, int64_t K, const char *x, size_t xs,
                                                             const void *const *ys, int R, int C, float *o) {
     (void)t; (void)R;
-    tile_q4_K_8(K / MG_QK_K, x, xs, nr, ys, C, o);
+    tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
 }
 DEFINE_TILE_WIDTHS(q4_K, q4_K_tile, MG_Q4_K, 8)
-static const tiles q4_K_tiles = {8, CMAX, 1, TILE_WIDTHS(q4_K, 8), TILE_WIDTHS(q4_K, 8)};
+DEFINE_TILE_WIDTHS(q4_K, row_tile, MG_Q4_K, 1)
+static const tiles q4_K_tiles = {8, CMAX, 1, TILE_WIDTHS(q4_K, 8), TILE_WIDTHS(q4_K, 1)};   /* by 1: 0.15 vs 0.19 ms (K1024 M4608) */
+static inline __attribute__((always_inline)) void q6_K_tile(int t, int64_t K, const char *x, size_t xs,
+                                                            const void *const *ys, int R, int C, float *o) {
+    (void)t; (void)R;
+    tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
+}
+DEFINE_TILE_WIDTHS(q6_K, q6_K_tile, MG_Q6_K, 8)
+DEFINE_TILE_WIDTHS(q6_K, row_tile, MG_Q6_K, 1)
+static const tiles q6_K_tiles = {8, CMAX, 0, TILE_WIDTHS(q6_K, 8), TILE_WIDTHS(q6_K, 1)};   /* by 1: 0.18 vs 0.20 ms */
 #else
 ROW_TILES(q4_K, MG_Q4_K)
-#endif
 ROW_TILES(q6_K, MG_Q6_K)
+#endif
 ROW_TILES(f16, MG_F16)
 ROW_TILES(bf16, MG_BF16)
 
@@ -746,19 +941,12 @@ static void run_tiles(const tiles *t, const mg_tensor *a, const mg_tensor *b, co
         for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
         int64_t i = m0;
         for (; i + t->tr <= m1; i += t->tr) {
-            t->rows[C](K, ap + i * xs, xs, t->tr, ys, o);
+            t->rows[C](K, ap + i * xs, xs, ys, o);
             for (int r = 0; r < t->tr; r++)
                 for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
         }
-        if (t->grouped && i < m1) {   /* a short last tile */
-            const int nr = (int)(m1 - i);
-            t->rows[C](K, ap + i * xs, xs, nr, ys, o);
-            for (int r = 0; r < nr; r++)
-                for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
-            i = m1;
-        }
         for (; i < m1; i++) {
-            t->row[C](K, ap + i * xs, xs, 1, ys, o);
+            t->row[C](K, ap + i * xs, xs, ys, o);
             for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i, j + c, i2, i3), o[c]);
         }
     }
@@ -792,14 +980,14 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
                 for (int64_t i = m0; i < m1; i++) mg_store_f32(mg_ptr(d, i, j, i2, i3), 0.0f);
             continue;
         }
-        if (N > 1 || tl->grouped) {   /* matrix x matrix: tiles */
+        if (N > 1 || tl->vec_tiles) {   /* matrix x matrix: tiles */
             run_tiles(tl, a, b, d, ap, m0, m1, i2, i3);
             continue;
         }
         const void *ys[1] = {mg_ptr(b, 0, 0, i2, i3)};   /* matrix x vector: a stream over the rows */
         for (int64_t i = m0; i < m1; i++) {
             float o[1];
-            tl->row[1](K, ap + i * a->nb[1], (size_t)a->nb[1], 1, ys, o);
+            tl->row[1](K, ap + i * a->nb[1], (size_t)a->nb[1], ys, o);
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
@@ -844,8 +1032,8 @@ int mg_quant_simd(void) {
 }
 
 int mg_quant_row_group(int t) {
-#ifdef Q4K_ROWS
-    if (t == MG_Q4_K) return Q4K_ROWS;
+#ifdef MG_KROWS
+    if (t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
 #endif
     (void)t;
     return 1;
