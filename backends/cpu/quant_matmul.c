@@ -103,6 +103,24 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* Weights streaming from memory (decode of a few sequences) into tiles: a tile reads R rows a
+ * block at a time, R streams that the hardware prefetcher follows badly (q4_K's 8 rows 5.3
+ * against 16.7 GB/s for the one-row stream, q8_0's 4 rows 5.6 against 22.6; 1 thread), so each
+ * block step asks for the next 1/nb of the bytes of the tile TILE_PF_GROUPS tiles ahead, in
+ * address order (rows are usually contiguous; a tile of a later job or past the weights asks
+ * harmlessly: prefetches do not fault) */
+#ifndef TILE_PF_GROUPS
+#define TILE_PF_GROUPS 2
+#endif
+static inline void prefetch_tile_step(const char *xrow, size_t tile_bytes, int64_t b, int64_t nb) {
+    const size_t step = tile_bytes / (size_t)nb;
+    const uintptr_t from = (uintptr_t)(xrow + TILE_PF_GROUPS * tile_bytes + (size_t)b * step);
+    const char *x = (const char *)((from + 63) & ~(uintptr_t)63);   /* each line once */
+    /* into L2 (prefetcht1: into L1 it measured no better than none, 5.9 against 11.0 GB/s for
+     * q6_K by 4), and as asm: GCC drops _mm_prefetch from these kernels */
+    for (; (uintptr_t)x < from + step; x += 64) __asm__ volatile("prefetcht1 %0" ::"m"(*x));
+}
+
 /* ---- q8_0 weights x q8_0 rows ---- */
 #if MG_QAVX2
 /* one block of one output: the 8 int32 lanes of x * y (pairs by maddubs with |x| against y
@@ -179,6 +197,7 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
     const __m256i k80 = _mm256_set1_epi8((char)0x80);
     float dd[TMAX * 4] __attribute__((aligned(16)));
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_tile_step(xrow, (size_t)R * xs, b, nb);
         __m256i xv[Q8_TR];
         __m128i dh = _mm_setzero_si128();   /* in a register: a store-then-load would stall */
         for (int r = 0; r < R; r++) {
@@ -425,20 +444,6 @@ static inline __m256i dpbusd_bcast(__m256i acc, __m256i w, const void *p) {
     return acc;
 }
 
-/* Weights streaming from memory (decode of a few sequences): a tile reads 8 rows a block at a
- * time, 8 streams that the hardware prefetcher follows badly (5.3 against 16.7 GB/s for the
- * one-row stream, 1 thread), so each block step asks for the next 1/nb of the bytes of the tile
- * KROWS_PF_GROUPS tiles ahead, in address order (rows are usually contiguous; a tile of a later
- * job or past the weights asks harmlessly: prefetches do not fault) */
-#ifndef KROWS_PF_GROUPS
-#define KROWS_PF_GROUPS 2
-#endif
-static inline void prefetch_block(const void *x, size_t ahead, size_t bytes) {
-    /* into L2 (prefetcht1: into L1 it measured no better than none, 5.9 against 11.0 GB/s for
-     * q6_K by 4), and as asm: GCC drops _mm_prefetch from these kernels */
-    for (size_t o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht1 %0" ::"m"(*((const char *)x + ahead + o)));
-}
-
 /* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
 static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
     __m256i t[8], u[8];
@@ -467,7 +472,6 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
     const mg_block_q4_K *xr[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)r * xs);
-    const size_t pf = KROWS_PF_GROUPS * 8 * xs, pf_step = 8 * xs / (size_t)(nb > 0 ? nb : 1);
     const __m512i sc_t = _mm512_load_si512(Q4K_SC_T), m_t = _mm512_load_si512(Q4K_M_T);
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     __m256 acc[TMAX];
@@ -476,7 +480,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
     uint32_t sc8[16] __attribute__((aligned(64))), m8[16] __attribute__((aligned(64)));
     uint8_t sct[64] __attribute__((aligned(64))), mt[64] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_block(xrow + pf + (size_t)b * pf_step, 0, pf_step);
+        prefetch_tile_step(xrow, 8 * xs, b, nb);
         __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
@@ -674,7 +678,6 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     const mg_block_q6_K *xr[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q6_K *)(xrow + (size_t)r * xs);
-    const size_t pf = KROWS_PF_GROUPS * 8 * xs, pf_step = 8 * xs / (size_t)(nb > 0 ? nb : 1);
     const __m512i sc_a = _mm512_load_si512(Q6K_SC_T[0]), sc_b = _mm512_load_si512(Q6K_SC_T[1]);
     const __m512i pr_a = _mm512_load_si512(Q6K_PAIR_T[0]), pr_b = _mm512_load_si512(Q6K_PAIR_T[1]);
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
@@ -684,7 +687,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     int8_t scb[128] __attribute__((aligned(64))), sct[128] __attribute__((aligned(64))), spt[128] __attribute__((aligned(64)));
     __m256i tl1[8], tl2[8], th[8];
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_block(xrow + pf + (size_t)b * pf_step, 0, pf_step);
+        prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *ql[8], *qh[8];
         __m128i dh = _mm_setzero_si128();
 #pragma GCC unroll 8
