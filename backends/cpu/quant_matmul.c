@@ -109,6 +109,7 @@ static inline float hsum8(__m256 v) {
  * block step asks for the next 1/nb of the bytes of the tile TILE_PF_GROUPS tiles ahead, in
  * address order (rows are usually contiguous; a tile of a later job or past the weights asks
  * harmlessly: prefetches do not fault) */
+#if MG_QAVX2
 #ifndef TILE_PF_GROUPS
 #define TILE_PF_GROUPS 2
 #endif
@@ -120,6 +121,7 @@ static inline void prefetch_tile_step(const char *xrow, size_t tile_bytes, int64
      * q6_K by 4), and as asm: GCC drops _mm_prefetch from these kernels */
     for (; (uintptr_t)x < from + step; x += 64) __asm__ volatile("prefetcht1 %0" ::"m"(*x));
 }
+#endif
 
 /* ---- q8_0 weights x q8_0 rows ---- */
 #if MG_QAVX2
