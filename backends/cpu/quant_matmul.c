@@ -344,12 +344,10 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            const float dmin = -y->d * xdmin;
 #ifdef MG_KROWS
             mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
-            (void)dmin;
 #else
-            accm[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
+            accm[c] = _mm_fmadd_ps(_mm_set1_ps(-y->d * xdmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
 #endif
             for (int q = 0; q < nch; q++) part[c][q] = _mm256_setzero_si256();
         }
@@ -369,29 +367,27 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             }
         }
         for (int c = 0; c < C; c++) {
-            const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
             __m256i sumi = part[c][0];
             for (int q = 1; q < nch; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
 #ifdef MG_KROWS   /* tile_q4_K_8's chain: the block's two exact sums, one fma each */
-            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
             chain[c] = chain_fma(chain[c], hsum8_epi32(sumi), xd * dy);
             chain[c] = chain_fma(chain[c], mnsum[c], xdmin * -dy);
-            (void)d;
 #else
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dy * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
 #endif
         }
     }
 #ifdef MG_KROWS
     for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
     (void)acc; (void)accm;
-    return;
-#endif
+#else
     for (int c = 0; c < C; c++) {
         __m128 mm = _mm_add_ps(accm[c], _mm_movehl_ps(accm[c], accm[c]));
         mm = _mm_add_ss(mm, _mm_movehdup_ps(mm));
         out[c] = hsum8(acc[c]) + _mm_cvtss_f32(mm);
     }
+#endif
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_K *y = ys[c];
@@ -468,6 +464,24 @@ static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8
     }
 }
 
+/* v[k] = dword k of the 32 bytes at p[r] + off, for the 8 rows r (lane r) */
+static inline __attribute__((always_inline)) void load_rows_transposed(const char *const p[8], size_t off, __m256i v[8]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
+    transpose8x8_epi32(v);
+}
+
+/* acc[c] (lane r: weight row r) to out[r * C + c] */
+static inline __attribute__((always_inline)) void store_lanes(const __m256 *acc, const int C, float *out) {
+    float o8[8 * TMAX] = {0};
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+}
+
 /* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c] */
 static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
                                                               const void *const *ys, const int C, float *out) {
@@ -483,10 +497,12 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
     uint8_t sct[64] __attribute__((aligned(64))), mt[64] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
+        const char *qs[8];
         __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             const mg_block_q4_K *x = xr[r] + b;
+            qs[r] = (const char *)x->qs;
             q4_K_unpack(x->scales, sc8 + 2 * r, m8 + 2 * r);
             dh = _mm_insert_epi16(dh, x->d, r);
             mh = _mm_insert_epi16(mh, x->dmin, r);
@@ -510,9 +526,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         }
         for (int g = 0; g < 4; g++) {   /* 64 values: sub-blocks 2g (low nibbles) and 2g+1 (high) */
             __m256i v[8];
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(xr[r][b].qs + 32 * g));
-            transpose8x8_epi32(v);
+            load_rows_transposed(qs, 32 * g, v);
             const __m256i scl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g))));
             const __m256i sch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g + 1))));
 #pragma GCC unroll 8
@@ -546,13 +560,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn[c]), _mm256_mul_ps(xm, _mm256_set1_ps(-dy)), acc[c]);
         }
     }
-    float o8[8 * TMAX] = {0};
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+    store_lanes(acc, C, out);
 }
 #endif
 
@@ -604,21 +612,20 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
         }
         const float xd = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
-            const float d = ((const mg_block_q8_K *)ys[c] + b)->d * xd;
+            const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
 #ifdef MG_KROWS   /* tile_q6_K_8's chain: the block's exact sum, one fma */
-            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi[c]), xd * ((const mg_block_q8_K *)ys[c] + b)->d);
-            (void)d;
+            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi[c]), xd * dy);
 #else
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dy * xd), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
 #endif
         }
     }
 #ifdef MG_KROWS
     for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
     (void)acc;
-    return;
-#endif
+#else
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
+#endif
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_K *y = ys[c];
@@ -665,12 +672,11 @@ static const uint8_t Q6K_PAIR_T[2][64] __attribute__((aligned(64))) = {
     {8,9,24,25,40,41,56,57,72,73,88,89,104,105,120,121,10,11,26,27,42,43,58,59,74,75,90,91,106,107,122,123,
      12,13,28,29,44,45,60,61,76,77,92,93,108,109,124,125,14,15,30,31,46,47,62,63,78,79,94,95,110,111,126,127}};
 
-/* v[r] = 32 bytes at p[r] + off, transposed (v[k]: dword k of the 8 rows) and stored to t */
+/* the 8 rows' v[r] = 32 bytes at p[r] + off, transposed and stored to t (t[k]: dword k of the
+ * 8 rows), where the kernel keeps them in memory */
 static inline __attribute__((always_inline)) void load_rows_t(const char *const p[8], size_t off, __m256i t[8]) {
     __m256i v[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
-    transpose8x8_epi32(v);
+    load_rows_transposed(p, off, v);
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) _mm256_store_si256(t + k, v[k]);
 }
@@ -757,11 +763,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
         }
     }
-    float o8[8 * TMAX] = {0};
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
-    for (int r = 0; r < 8; r++)
-        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+    store_lanes(acc, C, out);
 }
 #endif
 
