@@ -81,8 +81,9 @@ QBOUND = {"f16": 0.1, "bf16": 0.1, "q8_0": 0.1, "q4_0": 0.1, "q4_k_m": 0.1}
 # more frequent there (the tests measure 0.5 to 0.7 of the float model's NMSE on tiny models). On
 # tiny models one q8 flip weighs a lot against the float model's error: a 32-token qwen35 prefill
 # at n_embd 64 in Q8_0 measures 0.34 x (one call off by 1.1e-2, the others exact), far from the
-# 0.01 of the tests' 256-wide models; '!' marks what deserves a look. At real sizes a flip is not rare, and what it moves is carried through 512 tokens of recurrent
-# state: llama.cpp is that far from itself. Its own benign variant (weights not repacked, flash
+# 0.01 of the tests' 256-wide models; '!' marks what deserves a look. At real sizes a flip is not
+# rare, and what it moves is carried through 512 tokens of recurrent state: llama.cpp is that far
+# from itself. Its own benign variant (weights not repacked, flash
 # attention on: the same model, another summation order) measured, in NMSE x the float model's,
 # 0.57 (mamba2 q4_k_m prefill512), 0.62 (qwen35 q4_k_m prefill512), 0.57 (kimi q8_0 prefill512,
 # flash attention alone) and 0.83 (kimi q4_k_m prefill512), with minigraph 0.51, 0.54, 0.67 and

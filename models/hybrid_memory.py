@@ -174,8 +174,7 @@ class HybridMemory:
         """The same as (tensor, byte offset, stride, count, nbytes) runs: one per recurrent row
         range and tensor, and the KV cache's (its V as strided runs)."""
         rec = self.recurrent
-        return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub, live)
-                for t in rec.tensors()] + self.kv.byte_runs_written_by(ub)
+        return rec.row_runs(rec.rows_written_by(ub, live)) + self.kv.byte_runs_written_by(ub)
 
     def live_cells(self, meta: tuple | None = None) -> frozenset:
         """The recurrent cells that hold a sequence: now, or in `meta` (a meta_copy)."""

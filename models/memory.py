@@ -670,6 +670,11 @@ class RecurrentMemory:
             spans = [(row0 + i, 1) for row0, count in spans for i in range(count) if (row0 + i) % self.size in live]
         return coalesce_rows(spans)
 
+    def row_runs(self, rows) -> list:
+        """(tensor, byte offset, stride 0, count 1, nbytes) runs of the row ranges `rows` ((row0,
+        count), as rows_written_by gives them) in every r/s tensor: one run per range and tensor."""
+        return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rows for t in self.tensors()]
+
     def live_cells(self, meta: dict | None = None) -> frozenset:
         """The cells that hold a sequence: now, or in `meta` (a meta_copy)."""
         cells = self.cells if meta is None else meta["cells"]

@@ -78,10 +78,7 @@ def runs_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, in
 
 def dead_runs(rec: RecurrentMemory, ub: Ubatch, dead) -> list:
     """The runs of the rows of `rec`'s cells in `dead` that the graph of `ub` may write."""
-    if not dead:
-        return []
-    return [(t, row0 * t.nb[1], 0, 1, count * t.nb[1]) for row0, count in rec.rows_written_by(ub, dead)
-            for t in rec.tensors()]
+    return rec.row_runs(rec.rows_written_by(ub, dead)) if dead else []
 
 
 def read_span(memory, t, offs: int, n: int) -> np.ndarray:
@@ -139,8 +136,9 @@ class StepJournal:
         self.memory = memory
         self.defer = defer         # may rows be left to the graph's gathers (bind)
         self.meta = memory.meta_copy()
+        self.rec = getattr(memory, "recurrent", memory)           # the recurrent part (a hybrid's)
         self.live = memory.live_cells(self.meta)    # the cells whose rows an undo must put back
-        self.dead = frozenset(range(getattr(memory, "recurrent", memory).size)) - self.live   # the others
+        self.dead = frozenset(range(self.rec.size)) - self.live   # the others
         self._dead_runs: list = []      # runs of the dead cells' rows the step's graphs may write
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
@@ -182,7 +180,7 @@ class StepJournal:
         one short span per channel row) are copied as one strided block, not one by one."""
         self._settle()               # the last graph's gathers are about to be overwritten
         runs = runs_written_by(self.memory, ub, self.live)
-        rec = getattr(self.memory, "recurrent", self.memory)
+        rec = self.rec
         self._dead_runs += dead_runs(rec, ub, self.dead)
         if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
             # the graph's gathers will hold these rows' old bytes: bind() decides, per tensor
