@@ -425,14 +425,41 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
  * depend on the tile, the batch or the thread; they differ from ggml's vec_dot (8 partial lanes
  * per row, one horizontal sum) by f32 rounding. Matrix x vector takes the same path. */
 #ifdef MG_KROWS
-/* byte permutations of the 8 rows x 8 scales (row-major): SC_T makes sub-block-major rows of 8
- * bytes (one per weight row); M_T makes, per pair of sub-blocks t, 8 rows x 2 bytes (m_2t, m_2t+1) */
+/* block b's headers of 8 q4_K rows (d, dmin and the 12 scale bytes: 16 bytes a row), rows 0-3 in
+ * hd[0] and 4-7 in hd[1]; sm the same rows' 6-bit scales and mins as [8 scales, 8 mins] bytes: the
+ * packing undone in lanes, as q4_K_unpack does for one row */
+static inline __attribute__((always_inline)) void q4_K_heads_8(const mg_block_q4_K *const xr[8], int64_t b,
+                                                               __m512i hd[2], __m512i sm[2]) {
+    const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
+    const __m512i lo_mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+    const __m512i hi_mask = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(xr[4 * h] + b)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 1] + b)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 2] + b)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 3] + b)), 3);
+        hd[h] = v;
+        /* dwords of a row: [d dmin, u0, u1, u2] -> [u0, u2, u1, u2] and [u0, u0, u1, u1] */
+        const __m512i a = _mm512_shuffle_epi32(v, _MM_PERM_DCDB), c = _mm512_shuffle_epi32(v, _MM_PERM_CCBB);
+        /* sc 0-3 = u0 & 3f; sc 4-7 = u2 & 0f | top bits of u0; m 0-3 = u1 & 3f; m 4-7 = (u2 >> 4) & 0f | top of u1 */
+        const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(a, shifts), lo_mask);
+        sm[h] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi32(c, 2), hi_mask, 0xf8);   /* low | (c & hi) */
+    }
+}
+
+/* byte permutations of the two sm vectors (row r's scale j at 16r + j, its min j at 16r + 8 + j):
+ * SC_T makes sub-block-major rows of 8 bytes (one per weight row); M_T makes, per pair of
+ * sub-blocks t, 8 rows x 2 bytes (m_2t, m_2t+1); DM_T the 8 rows' d then their dmin (fp16 words
+ * of hd) */
 static const uint8_t Q4K_SC_T[64] __attribute__((aligned(64))) = {
-    0,8,16,24,32,40,48,56,1,9,17,25,33,41,49,57,2,10,18,26,34,42,50,58,3,11,19,27,35,43,51,59,
-    4,12,20,28,36,44,52,60,5,13,21,29,37,45,53,61,6,14,22,30,38,46,54,62,7,15,23,31,39,47,55,63};
+    0,16,32,48,64,80,96,112,1,17,33,49,65,81,97,113,2,18,34,50,66,82,98,114,3,19,35,51,67,83,99,115,
+    4,20,36,52,68,84,100,116,5,21,37,53,69,85,101,117,6,22,38,54,70,86,102,118,7,23,39,55,71,87,103,119};
 static const uint8_t Q4K_M_T[64] __attribute__((aligned(64))) = {
-    0,1,8,9,16,17,24,25,32,33,40,41,48,49,56,57,2,3,10,11,18,19,26,27,34,35,42,43,50,51,58,59,
-    4,5,12,13,20,21,28,29,36,37,44,45,52,53,60,61,6,7,14,15,22,23,30,31,38,39,46,47,54,55,62,63};
+    8,9,24,25,40,41,56,57,72,73,88,89,104,105,120,121,10,11,26,27,42,43,58,59,74,75,90,91,106,107,122,123,
+    12,13,28,29,44,45,60,61,76,77,92,93,108,109,124,125,14,15,30,31,46,47,62,63,78,79,94,95,110,111,126,127};
+static const uint16_t Q4K_DM_T[32] __attribute__((aligned(64))) = {
+    0,8,16,24,32,40,48,56,1,9,17,25,33,41,49,57};
 
 /* acc + the 4-byte dot products of w (unsigned) with the 4 signed bytes at p in every lane: the
  * bytes come as an embedded broadcast (a load, no instruction of its own; GCC does not fold
@@ -488,29 +515,24 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
     const mg_block_q4_K *xr[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)r * xs);
-    const __m512i sc_t = _mm512_load_si512(Q4K_SC_T), m_t = _mm512_load_si512(Q4K_M_T);
+    const __m512i sc_t = _mm512_load_si512(Q4K_SC_T), m_t = _mm512_load_si512(Q4K_M_T), dm_t = _mm512_load_si512(Q4K_DM_T);
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     __m256 acc[TMAX];
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-    uint32_t sc8[16] __attribute__((aligned(64))), m8[16] __attribute__((aligned(64)));
     uint8_t sct[64] __attribute__((aligned(64))), mt[64] __attribute__((aligned(64)));
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *qs[8];
-        __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            const mg_block_q4_K *x = xr[r] + b;
-            qs[r] = (const char *)x->qs;
-            q4_K_unpack(x->scales, sc8 + 2 * r, m8 + 2 * r);
-            dh = _mm_insert_epi16(dh, x->d, r);
-            mh = _mm_insert_epi16(mh, x->dmin, r);
-        }
-        _mm512_store_si512(sct, _mm512_permutexvar_epi8(sc_t, _mm512_load_si512(sc8)));
-        _mm512_store_si512(mt, _mm512_permutexvar_epi8(m_t, _mm512_load_si512(m8)));
+        for (int r = 0; r < 8; r++) qs[r] = (const char *)xr[r][b].qs;
+        __m512i hd[2], sm[2];
+        q4_K_heads_8(xr, b, hd, sm);
+        _mm512_store_si512(sct, _mm512_permutex2var_epi8(sm[0], sc_t, sm[1]));
+        _mm512_store_si512(mt, _mm512_permutex2var_epi8(sm[0], m_t, sm[1]));
+        const __m512i dm = _mm512_permutex2var_epi16(hd[0], dm_t, hd[1]);
         /* the mins against each column's sums of 32 values, pairs of sub-blocks per vpdpwssd */
-        __m256i mn[TMAX], s[TMAX];
+        __m256i mn[TMAX], s[TMAX], s2[TMAX];
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
@@ -523,6 +545,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
                 mn[c] = _mm256_dpwssd_epi32(mn[c], _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i *)(mt + 16 * t))),
                                             _mm256_permutevar8x32_epi32(s8, _mm256_set1_epi32(t)));
             s[c] = _mm256_setzero_si256();
+            s2[c] = _mm256_setzero_si256();
         }
         for (int g = 0; g < 4; g++) {   /* 64 values: sub-blocks 2g (low nibbles) and 2g+1 (high) */
             __m256i v[8];
@@ -548,15 +571,15 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
 #pragma GCC unroll 8
                 for (int c = 0; c < C; c++) {
                     s[c] = _mm256_dpwssd_epi32(s[c], al[c], scl);
-                    s[c] = _mm256_dpwssd_epi32(s[c], ah[c], sch);
+                    s2[c] = _mm256_dpwssd_epi32(s2[c], ah[c], sch);
                 }
             }
         }
-        const __m256 xd = _mm256_cvtph_ps(dh), xm = _mm256_cvtph_ps(mh);
+        const __m256 xd = _mm256_cvtph_ps(_mm512_castsi512_si128(dm)), xm = _mm256_cvtph_ps(_mm512_extracti32x4_epi32(dm, 1));
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[c], s2[c])), _mm256_mul_ps(xd, _mm256_set1_ps(dy)), acc[c]);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn[c]), _mm256_mul_ps(xm, _mm256_set1_ps(-dy)), acc[c]);
         }
     }
@@ -928,7 +951,7 @@ ROW_TILES(q4_0, MG_Q4_0)
 #ifdef MG_KROWS
 /* q4_K, q6_K: 8 rows by C columns; the rows left over by the one-row kernels, which follow the
  * same chain on these builds; matrix x vector by 8-row tiles where vec_tiles (q4_K, K1024
- * M4608, 1 thread: 0.15 against 0.19 ms in cache, 19.5 against 15.8 GB/s from memory), by the
+ * M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from memory), by the
  * one-row kernel for q6_K (the faster there) */
 static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, const char *x, size_t xs,
                                                              const void *const *ys, int R, int C, float *o) {
