@@ -715,20 +715,22 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     __m256 acc[TMAX];
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-    int8_t scb[128] __attribute__((aligned(64))), sct[128] __attribute__((aligned(64))), spt[128] __attribute__((aligned(64)));
+    int8_t sct[128] __attribute__((aligned(64))), spt[128] __attribute__((aligned(64)));
     __m256i tl1[8], tl2[8], th[8];
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *ql[8], *qh[8];
         __m128i dh = _mm_setzero_si128();
+        __m512i sv[2];   /* the 8 rows' 16 scales: rows 0-3, 4-7 (loaded into lanes, not through memory) */
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             const mg_block_q6_K *x = xr[r] + b;
-            _mm_store_si128((__m128i *)(scb + 16 * r), _mm_loadu_si128((const __m128i *)x->scales));
-            dh = _mm_insert_epi16(dh, x->d, r);
+            const __m128i sr = _mm_loadu_si128((const __m128i *)x->scales);
+            sv[r / 4] = r % 4 == 0 ? _mm512_castsi128_si512(sr) : _mm512_inserti32x4(sv[r / 4], sr, r % 4);
+            dh = _mm_mask_loadu_epi16(dh, (__mmask8)(1u << r), (const uint16_t *)&x->d - r);   /* word r only */
             ql[r] = (const char *)x->ql; qh[r] = (const char *)x->qh;
         }
-        const __m512i s0 = _mm512_load_si512(scb), s1 = _mm512_load_si512(scb + 64);
+        const __m512i s0 = sv[0], s1 = sv[1];
         _mm512_store_si512(sct, _mm512_permutex2var_epi8(s0, sc_a, s1));
         _mm512_store_si512(sct + 64, _mm512_permutex2var_epi8(s0, sc_b, s1));
         _mm512_store_si512(spt, _mm512_permutex2var_epi8(s0, pr_a, s1));
