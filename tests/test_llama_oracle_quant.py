@@ -27,7 +27,8 @@ bounds, and the summary names the tie. A compiled backend cannot be rerun that w
 bounds, it passes when its run agrees with ref's within them (it took ref's side of the tie) and
 ref's run with one tie resolved agrees with llama.cpp (the sum of the two is its max rel). A tie
 only the compiled backend meets (ref agreeing with llama.cpp directly) is not resolved: the q4_0
-bound below covers the one measured.
+bound below covers the one measured, and OWN_ORDER_BOUND the cpu kernels that sum in an f32 order
+of their own (8 weight rows per lane).
 """
 from pathlib import Path
 
@@ -72,6 +73,13 @@ BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 2e-3, "q4_0": 5e-3, "q4_k_m": 2e-3}
 # elements per call). Measured on lfm2 with only output.weight in bf16: one token's row is off by
 # 2e-4 (all its logits: one input element rounded to the neighbouring bf16), the others by 1e-7.
 NMSE_VS_DEQUANT = {"f16": 0.7, "bf16": 0.5, "q8_0": 0.01, "q4_0": 0.01, "q4_k_m": 0.01}
+# The cpu backend's 8-row kernels (builds with AVX-512 VNNI + VBMI: mg_quant_row_group > 1) sum a
+# weight row's blocks in one f32 chain instead of ggml's 8 lanes: their outputs differ from
+# llama.cpp's by f32 rounding, and an activation next to a q8 rounding boundary can then take the
+# other level, which no tie of ref's run explains. Measured on lfm2 q8_0 (seed 5): one such level,
+# max rel 6.6e-3, NMSE 0.036 x the dequantize-then-f32 model's. A run on those kernels is held to
+# the bounds of one level rounded the other way, a tenth of a float model's error:
+OWN_ORDER_BOUND, OWN_ORDER_NMSE = 1e-2, 0.1
 CALLS = [("decode", {0: H.PROMPT})] + [("decode", {0: [t]}) for t in [9, 21, 1, 47]]
 MAX_TIE_RERUNS = 16     # the nearest ties tried, one at a time, when a ref run is over the bound
 RESULTS: dict = {}      # (arch, file type, backend) -> (max rel, nmse, nmse of dequantize-then-f32, tie note)
@@ -97,9 +105,26 @@ def _dequantized(path: Path, f32_path: Path):
     return m
 
 
-def _within(ftype, errors, nmse_deq):
+def _within(ftype, errors, nmse_deq, own_order=False):
     worst, nmse = errors
-    return worst <= BOUND[ftype] and nmse <= NMSE_VS_DEQUANT[ftype] * nmse_deq
+    bound, frac = _bounds(ftype, own_order)
+    return worst <= bound and nmse <= frac * nmse_deq
+
+
+def _bounds(ftype, own_order):
+    """(max rel, NMSE fraction of the dequantize-then-f32 model's) a run is held to; own_order:
+    the backend's kernels sum some of the file's types in their own f32 order (OWN_ORDER_*)."""
+    if own_order:
+        return max(BOUND[ftype], OWN_ORDER_BOUND), max(NMSE_VS_DEQUANT[ftype], OWN_ORDER_NMSE)
+    return BOUND[ftype], NMSE_VS_DEQUANT[ftype]
+
+
+def _own_order(be, kinds) -> bool:
+    """Whether be computes one of these weight types with the 8-row kernels (cpu, see OWN_ORDER_BOUND)."""
+    if be.name.split(":")[0] != "cpu":
+        return False
+    from minigraph.backends import cpu
+    return any(cpu.lib.mg_quant_row_group(code) > 1 for t, code in cpu._TYPE_CODES.items() if t.name in kinds)
 
 
 def _resolve_ties(ref_model, n_rs_seq, want, ftype, nmse_deq):
@@ -117,7 +142,7 @@ def _resolve_ties(ref_model, n_rs_seq, want, ftype, nmse_deq):
     return got, errors, None
 
 
-def _compare(path, be, loaded, n_rs_seq, want, ftype, nmse_deq):
+def _compare(path, be, loaded, n_rs_seq, want, ftype, nmse_deq, own_order=False):
     """(max rel, nmse, note). ref: its own run, or its run with one tie resolved (the note names
     it). Another backend: its own run; over the bounds, it passes through ref when it took ref's
     side of a tie (it agrees with ref's run) and ref with that tie resolved agrees with llama.cpp:
@@ -131,7 +156,7 @@ def _compare(path, be, loaded, n_rs_seq, want, ftype, nmse_deq):
         return worst, nmse, f"(max rel {errors[0]:.2e} before the tie {tie} was resolved the other way)"
     got = _run(loaded, n_rs_seq)
     errors = _errors(got, want)
-    if _within(ftype, errors, nmse_deq):
+    if _within(ftype, errors, nmse_deq, own_order):
         return errors + ("",)
     ref_got, ref_errors, resolved = _resolve_ties(load_gguf(path, devices=ref), n_rs_seq, want, ftype, nmse_deq)
     vs_ref = _errors(got, ref_got)
@@ -173,11 +198,13 @@ def test_file_type_matches_llama_cpp(folder, arch, ftype, backend_name, monkeypa
     if lacking:
         pytest.skip(f"backend {be.name} has no kernels for {', '.join(lacking)} yet (Backend.wide_types)")
     _, nmse_deq = _errors(_run(_dequantized(path, f32_path), n_rs_seq), want)
-    worst, nmse, note = _compare(path, be, loaded, n_rs_seq, want, ftype, nmse_deq)
+    own_order = _own_order(be, kinds)
+    worst, nmse, note = _compare(path, be, loaded, n_rs_seq, want, ftype, nmse_deq, own_order)
     RESULTS[(arch, ftype, be.name)] = (worst, nmse, nmse_deq, note)
-    assert worst <= BOUND[ftype], f"{arch} {ftype}: relative error {worst:.3g} > {BOUND[ftype]} {note}"
-    assert nmse <= NMSE_VS_DEQUANT[ftype] * nmse_deq, \
-        f"{arch} {ftype}: NMSE {nmse:.3g} is not {NMSE_VS_DEQUANT[ftype]} x a dequantize-then-f32 model's {nmse_deq:.3g}"
+    bound, frac = _bounds(ftype, own_order)
+    assert worst <= bound, f"{arch} {ftype}: relative error {worst:.3g} > {bound} {note}"
+    assert nmse <= frac * nmse_deq, \
+        f"{arch} {ftype}: NMSE {nmse:.3g} is not {frac} x a dequantize-then-f32 model's {nmse_deq:.3g}"
 
 
 def test_zz_summary():

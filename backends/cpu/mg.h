@@ -40,6 +40,7 @@ static inline int mg_type_size(int type) {
         case MG_Q6_K: return 210;
         case MG_Q8_K: return 292;
         case MG_Q8_0X: return 68;
+        case MG_Q8_0S: return 40;
         default:      return 4;
     }
 }
@@ -47,7 +48,7 @@ static inline int mg_type_size(int type) {
 /* elements per block: 1 for the plain types */
 static inline int mg_blck_size(int type) {
     switch (type) {
-        case MG_Q4_0: case MG_Q8_0: case MG_Q8_0X: return 32;
+        case MG_Q4_0: case MG_Q8_0: case MG_Q8_0X: case MG_Q8_0S: return 32;
         case MG_Q4_K: case MG_Q6_K: case MG_Q8_K: return 256;
         default: return 1;
     }

@@ -59,6 +59,11 @@ static inline float mg_bf16_to_fp32(uint16_t h) {
  * conversion per weight row. */
 #define MG_Q8_0X_BLOCK (32 + 32 + 4)
 
+/* MG_Q8_0S: q8_0 blocks (ggml's q8_0 conversion: the same values and scales) for the q8_0
+ * weights' 8-row kernels: the scale widened to f32, and -128 * the sum of the values, which
+ * vpdpbusd needs to turn (weight + 128) * value into weight * value exactly. */
+typedef struct { float d; int32_t nsum; int8_t qs[MG_QK8_0]; } mg_block_q8_0s;
+
 /* quant_codec.c */
 /* n values of a row of type t (n a multiple of its block size) to f32 */
 void mg_to_f32_row(int t, const void *src, float *dst, int64_t n);

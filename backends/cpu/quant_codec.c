@@ -253,6 +253,19 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
             }
             return;
         }
+        case MG_Q8_0S: {
+            mg_block_q8_0s *y = dst;
+            for (int64_t b = 0; b < n / MG_QK8_0; b++) {
+                mg_block_q8_0 blk;
+                mg_from_f32_row(MG_Q8_0, src + b * MG_QK8_0 * snb, snb, &blk, MG_QK8_0);
+                int32_t sum = 0;
+                for (int j = 0; j < MG_QK8_0; j++) sum += blk.qs[j];
+                y[b].d = mg_fp16_to_fp32(blk.d);
+                y[b].nsum = -128 * sum;
+                memcpy(y[b].qs, blk.qs, MG_QK8_0);
+            }
+            return;
+        }
         case MG_Q8_K: {
             mg_block_q8_K *y = dst;
             for (int64_t b = 0; b < n / MG_QK_K; b++) {

@@ -792,6 +792,72 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
 }
 #endif
 
+#ifdef MG_KROWS
+/* ---- q8_0 weights x MG_Q8_0S rows: 8 rows per lane ----
+ * As tile_q4_K_8: lane r = weight row r, the rows' bytes transposed into lanes, one vpdpbusd
+ * against 4 broadcast converted values multiplies 8 rows. vpdpbusd takes the weights unsigned:
+ * x + 128 (xor 0x80), and a lane starting from the converted block's -128 * sum ends at exactly
+ * sum(x * y). An output is one f32 chain over its blocks: acc + sum * (dx * dy), rounded once. */
+static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const char *xrow, size_t xs,
+                                                              const void *const *ys, const int C, float *out) {
+    const mg_block_q8_0 *xr[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q8_0 *)(xrow + (size_t)r * xs);
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_tile_step(xrow, 8 * xs, b, nb);
+        const char *qs[8];
+        __m128i dh = _mm_setzero_si128();
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            qs[r] = (const char *)xr[r][b].qs;
+            dh = _mm_mask_loadu_epi16(dh, (__mmask8)(1u << r), (const uint16_t *)&xr[r][b].d - r);   /* word r only */
+        }
+        __m256i v[8];
+        load_rows_transposed(qs, 0, v);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) v[k] = _mm256_xor_si256(v[k], k80);
+        const __m256 xd = _mm256_cvtph_ps(dh);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const mg_block_q8_0s *y = (const mg_block_q8_0s *)ys[c] + b;
+            /* two chains of 4 (exact integers: the split does not change the sum) */
+            __m256i s0 = _mm256_set1_epi32(y->nsum), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 0; k < 8; k += 2) {
+                s0 = dpbusd_bcast(s0, v[k], y->qs + 4 * k);
+                s1 = dpbusd_bcast(s1, v[k + 1], y->qs + 4 * k + 4);
+            }
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(xd, _mm256_set1_ps(y->d)),
+                                     acc[c]);
+        }
+    }
+    store_lanes(acc, C, out);
+}
+
+/* one q8_0 weight row against C MG_Q8_0S rows: tile_q8_0_8's chain, for the rows a tile leaves */
+static inline __attribute__((always_inline)) void dot_q8_0s(int64_t nb, const char *xrow, const void *const *ys,
+                                                            const int C, float *out) {
+    const mg_block_q8_0 *x = (const mg_block_q8_0 *)xrow;
+    const __m256i k80 = _mm256_set1_epi8((char)0x80);
+    __m128 chain[TMAX];
+    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x[b].qs), k80);
+        const float dx = mg_fp16_to_fp32(x[b].d);
+        for (int c = 0; c < C; c++) {
+            const mg_block_q8_0s *y = (const mg_block_q8_0s *)ys[c] + b;
+            const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), xu, _mm256_loadu_si256((const __m256i *)y->qs));
+            chain[c] = chain_fma(chain[c], _mm_add_epi32(hsum8_epi32(s), _mm_cvtsi32_si128(y->nsum)), dx * y->d);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
+}
+#endif
+
 /* ---- f16 / bf16 weights x rows of the same type: f32 products summed with fma ---- */
 #if MG_QAVX2
 static inline __m256 load8_h(const uint16_t *p, int bf) {
@@ -888,7 +954,11 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
 static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     switch (t) {
+#ifdef MG_KROWS
+        case MG_Q8_0: dot_q8_0s(K / MG_QK8_0, xrow, ys, C, out); break;
+#else
         case MG_Q8_0: dot_q8_0(K / MG_QK8_0, xrow, ys, C, out); break;
+#endif
         case MG_Q4_0: dot_q4_0(K / MG_QK4_0, xrow, ys, C, out); break;
         case MG_Q4_K: dot_q4_K(K / MG_QK_K, xrow, ys, C, out); break;
         case MG_Q6_K: dot_q6_K(K / MG_QK_K, xrow, ys, C, out); break;
@@ -932,7 +1002,8 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
     DEFINE_TILE(name, kernel, T, R, 5) DEFINE_TILE(name, kernel, T, R, 6)
 #define TILE_WIDTHS(name, R) {NULL, name##_##R##x1, name##_##R##x2, name##_##R##x3, name##_##R##x4, name##_##R##x5, name##_##R##x6}
 
-/* q8_0: Q8_TR x C tiles */
+/* q8_0: Q8_TR x C tiles (8 x C on MG_KROWS builds, below) */
+#ifndef MG_KROWS
 DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 1)
 #if Q8_TR == 4
 DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 4)
@@ -942,6 +1013,7 @@ DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 2)
 static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
 #else
 #error "Q8_TR is 2 or 4"
+#endif
 #endif
 
 /* the other types: one weight row against up to CMAX columns (a q4_K or q6_K block's unpacking
@@ -959,12 +1031,14 @@ static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, c
                                                              const void *const *ys, int R, int C, float *o) {
     (void)R;
     if (t == MG_Q4_K) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
-    else tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
+    else if (t == MG_Q6_K) tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
+    else tile_q8_0_8(K / MG_QK8_0, x, xs, ys, C, o);
 }
 #define KROWS_TILES(name, T, vec_tiles)   /* 8: MG_KROWS, spelled out for the token pasting */   \
     DEFINE_TILE_WIDTHS(name, krows_tile, T, 8)                                                     \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {8, CMAX, vec_tiles, TILE_WIDTHS(name, 8), TILE_WIDTHS(name, 1)};
+KROWS_TILES(q8_0, MG_Q8_0, 1)
 KROWS_TILES(q4_K, MG_Q4_K, 1)
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
@@ -1057,7 +1131,11 @@ int mg_work_type(int t) {
     switch (t) {
         case MG_F16: return MG_F16;
         case MG_BF16: return MG_BF16;
+#ifdef MG_KROWS
+        case MG_Q8_0: return MG_Q8_0S;
+#else
         case MG_Q8_0: return MG_Q8_0;
+#endif
         case MG_Q4_0: return MG_Q8_0X;
         case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
         default: return -1;
@@ -1079,7 +1157,7 @@ int mg_quant_simd(void) {
 
 int mg_quant_row_group(int t) {
 #ifdef MG_KROWS
-    if (t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
+    if (t == MG_Q8_0 || t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
 #endif
     (void)t;
     return 1;
