@@ -162,6 +162,10 @@ class Backend:
 class HostBackend(Backend):
     """A backend whose memory is host RAM (ref, cpu:N): NumPy arrays of bytes."""
 
+    # whether load_gguf lets a weight's memory be the file's mapping by default (True), or reads
+    # the weights into memory of their own (a backend whose kernels stream them says why)
+    maps_file_weights = True
+
     def alloc_buffer(self, nbytes: int, usage: str, tensors=()) -> Buffer:
         check_host_allocation(nbytes, self.name, tensors)
         # 64-byte aligned like ggml's buffers: the planner's 64-byte offsets then land on cache

@@ -586,15 +586,17 @@ def _hparams_from_file(cls, arch: str, kv_all: dict) -> dict:
     return hp
 
 
-def load_gguf(path, devices=None, *, map_weights: bool = True):
+def load_gguf(path, devices=None, *, map_weights: bool | None = None):
     """Read a GGUF file written by save_gguf (or any file of the same structure): construct the
     arch's model class on `devices` (None, one backend, or one per layer) and fill its weights.
 
     Weights keep the file's type (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k). On host backends
-    (ref, cpu) with map_weights, a weight's memory is the file's mapping itself (copy-on-write
-    pages: nothing is read until used, and writing a weight never changes the file) when its
-    data sits on a 32-byte boundary, which the GGUF alignment (32 by default) gives; a weight
-    off it (a file with a smaller alignment), and every weight on other backends, is copied."""
+    with map_weights, a weight's memory is the file's mapping itself (copy-on-write pages:
+    nothing is read until used, and writing a weight never changes the file) when its data sits
+    on a 32-byte boundary, which the GGUF alignment (32 by default) gives; a weight off it (a
+    file with a smaller alignment), and every weight on other backends, is copied. map_weights
+    None: each host backend's choice (HostBackend.maps_file_weights: ref maps, cpu reads the
+    weights into memory of its own, straight from the file, without touching the mapping)."""
     reader = _open(path)
     kv_all = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = kv_all.get("general.architecture")
@@ -652,20 +654,35 @@ def load_gguf(path, devices=None, *, map_weights: bool = True):
     for name, t in want.items():
         rt = found[name]
         dev = device(t)
-        if map_weights and isinstance(dev, HostBackend) and (rt.data_offset % 32 == 0) and _mappable(t):
+        host = isinstance(dev, HostBackend)
+        maps = host and (dev.maps_file_weights if map_weights is None else map_weights)
+        if maps and (rt.data_offset % 32 == 0) and _mappable(t):
             buf = mapped.get(id(dev))
             if buf is None:
                 buf = mapped[id(dev)] = Buffer(dev, len(reader.data), "weights", reader.data)
             t.buffer, t.offs = buf, int(rt.data_offset)
         else:
-            copied.append((t, rt))
+            copied.append((t, rt, host and _mappable(t)))
     # memory only for the weights not mapped (the model made none while loading), then their data
     for ctx, dev in places:
         mg.alloc_ctx_tensors(ctx, dev)
-    for t, rt in copied:
-        t.set(_as_stored(rt.data, t))
+    with open(path, "rb") as f:
+        for t, rt, raw in copied:
+            if raw:      # the file's bytes are the stored bytes: read them in place (the mapping's
+                _read_into(f, path, rt, t)   # pages are never touched, so they never count as ours)
+            else:
+                t.set(_as_stored(rt.data, t))
     model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
+
+
+def _read_into(f, path, rt, t):
+    """Read a contiguous weight's bytes from the open file straight into its host memory."""
+    buf, offs = t.storage()
+    n = t.nbytes()
+    f.seek(int(rt.data_offset))
+    if f.readinto(memoryview(buf.mem)[offs:offs + n]) != n:
+        raise GGUFError(f"{path}: tensor {rt.name}: the file ends inside its data")
 
 
 def _mappable(t) -> bool:

@@ -157,7 +157,8 @@ def test_copy_on_write_mapping_and_copies(files, tmp_path):
 def test_mapped_load_allocates_no_weight_memory(files, monkeypatch):
     """Weights the file's pages back get no buffer of their own, not even a throw-away one made
     while the model is constructed (that one was touched and showed in the peak RSS); a load that
-    copies gets one buffer per device context, sized for the weights it holds."""
+    copies gets one buffer per device context, sized for the weights it holds. By default ref
+    maps and cpu copies (HostBackend.maps_file_weights)."""
     _, paths = files["mamba2"]
     asked = []
     host = HostBackend                                   # ref and cpu allocate there
@@ -169,7 +170,7 @@ def test_mapped_load_allocates_no_weight_memory(files, monkeypatch):
     monkeypatch.setattr(host, "alloc_buffer", spy)
     for dev in ("ref", "cpu"):
         asked.clear()
-        m = load_gguf(paths["q8_0"], devices=mg.backend(dev))
+        m = load_gguf(paths["q8_0"], devices=mg.backend(dev), map_weights=True)
         assert [a for a in asked if a[0] == "weights"] == [], dev
         assert all(isinstance(t.root().buffer.mem, np.memmap) for t in m.gguf_tensors().values())
         asked.clear()
@@ -177,6 +178,22 @@ def test_mapped_load_allocates_no_weight_memory(files, monkeypatch):
         weights = sum(n for u, n in asked if u == "weights")
         want = sum(t.nbytes() for t in m.gguf_tensors().values() if t.view_src is None)
         assert want <= weights <= want + 64 * len(m.gguf_tensors()), (dev, weights, want)
+        default = load_gguf(paths["q8_0"], devices=mg.backend(dev)).gguf_tensors().values()
+        assert all(isinstance(t.root().buffer.mem, np.memmap) == (dev == "ref") for t in default), dev
+
+
+def test_copied_load_reads_the_file_bytes(files):
+    """cpu's default load reads each weight's bytes from the file into its own memory: the same
+    bytes a mapped load sees, in memory that is not the mapping."""
+    _, paths = files["lfm"]
+    for ftype in ("q8_0", "q4_k_m"):
+        mapped = load_gguf(paths[ftype], devices=mg.backend("cpu"), map_weights=True).gguf_tensors()
+        copied = load_gguf(paths[ftype], devices=mg.backend("cpu")).gguf_tensors()
+        assert mapped.keys() == copied.keys()
+        for name, t in copied.items():
+            assert not isinstance(t.root().buffer.mem, np.memmap), name
+            a, b = t.numpy(), mapped[name].numpy()
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
 
 
 def test_q4_k_m_rule():
