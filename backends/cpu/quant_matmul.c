@@ -492,6 +492,16 @@ static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8
     }
 }
 
+/* word r = the fp16 at d0 + r * xs, for the 8 rows r (one masked load each: no other byte is
+ * read, and nothing goes through memory, where a store-then-load would stall) */
+static inline __attribute__((always_inline)) __m128i load_halves_8(const char *d0, size_t xs) {
+    __m128i h = _mm_setzero_si128();
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+        h = _mm_mask_loadu_epi16(h, (__mmask8)(1u << r), (const uint16_t *)(d0 + (size_t)r * xs) - r);
+    return h;
+}
+
 /* v[k] = dword k of the 32 bytes at p[r] + off, for the 8 rows r (lane r) */
 static inline __attribute__((always_inline)) void load_rows_transposed(const char *const p[8], size_t off, __m256i v[8]) {
 #pragma GCC unroll 8
@@ -721,14 +731,13 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *ql[8], *qh[8];
-        __m128i dh = _mm_setzero_si128();
+        const __m128i dh = load_halves_8((const char *)&xr[0][b].d, xs);
         __m512i sv[2];   /* the 8 rows' 16 scales: rows 0-3, 4-7 (loaded into lanes, not through memory) */
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) {
             const mg_block_q6_K *x = xr[r] + b;
             const __m128i sr = _mm_loadu_si128((const __m128i *)x->scales);
             sv[r / 4] = r % 4 == 0 ? _mm512_castsi128_si512(sr) : _mm512_inserti32x4(sv[r / 4], sr, r % 4);
-            dh = _mm_mask_loadu_epi16(dh, (__mmask8)(1u << r), (const uint16_t *)&x->d - r);   /* word r only */
             ql[r] = (const char *)x->ql; qh[r] = (const char *)x->qh;
         }
         const __m512i s0 = sv[0], s1 = sv[1];
@@ -811,12 +820,9 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *qs[8];
-        __m128i dh = _mm_setzero_si128();
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            qs[r] = (const char *)xr[r][b].qs;
-            dh = _mm_mask_loadu_epi16(dh, (__mmask8)(1u << r), (const uint16_t *)&xr[r][b].d - r);   /* word r only */
-        }
+        for (int r = 0; r < 8; r++) qs[r] = (const char *)xr[r][b].qs;
+        const __m128i dh = load_halves_8((const char *)&xr[0][b].d, xs);
         __m256i v[8];
         load_rows_transposed(qs, 0, v);
 #pragma GCC unroll 8
