@@ -135,7 +135,7 @@ def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
         pytest.skip("this build of the kernels has no AVX2 path (MINIGRAPH_PORTABLE or another ISA): "
                     "results agree with ggml to f32 rounding only, checked by the NMSE tests")
     got, want = _ggml_mul_mat_check(3, t, 4 * t.blck_size if t.blck_size == 256 else 1024, 37, 6, "padded")
-    if cpu.lib.mg_quant_row_group(cpu._TYPE_CODES[t]) > 1:
+    if t.name in cpu.own_order_types():
         # f32 rounding of sums of 4 (q8_0: 32) blocks: a few ulps of the largest partial sums
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel <= 1e-6, f"{t.name}: largest difference {rel:.3g} of the largest output against ggml"
@@ -161,7 +161,7 @@ def test_src1_is_converted_the_way_ggml_mul_mat_does(t, backend):
     b.out(mg.mul_mat(w, x))
     got = run_built(b, _be(1) if backend == "cpu" else _cuda_emu())[0]
     want = run_in_ggml(b)[0]
-    if backend == "cpu" and cpu.lib.mg_quant_row_group(cpu._TYPE_CODES[t]) == 1:
+    if backend == "cpu" and t.name not in cpu.own_order_types():
         assert np.array_equal(got, want), (got, want)
     else:   # the same integer sums, summed in another order (cuda; 8-row kernels): f32 rounding apart
         assert nmse(got, want) <= 1e-12, (got, want)

@@ -87,6 +87,15 @@ def implemented_ops() -> set:
     return set(OP_CODES)
 
 
+def own_order_types() -> frozenset:
+    """Names of the weight types whose kernels on this build put 8 weight rows in the vector lanes
+    and sum each output's blocks in one f32 chain of their own (quant_matmul.c, MG_KROWS:
+    AVX-512 VNNI + VBMI): their results differ from ggml's by f32 rounding. Empty elsewhere."""
+    if lib is None:
+        return frozenset()
+    return frozenset(t.name for t, code in _TYPE_CODES.items() if lib.mg_quant_row_group(code) > 1)
+
+
 def _params(node, rec):
     """Op params into the record's slots: float params fill fp[], int and bool params ip[], each
     in the op's declaration order (the kernels read them by that position)."""
