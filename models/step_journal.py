@@ -31,7 +31,8 @@ with random ones before the compute, so that undo can tell a gather that ran (st
 restore from it) from one that never did (its rows were never written either). Before the next
 ubatch reuses the compute buffer, the gathers that ran are copied into the journal (`_settle`).
 A node that reads its rows in place instead of through a gather (mamba2's ssm_scan) gets a side copy
-of them from build_rs, just before it, that serves the same way (`GraphParams.side_copies`).
+of them from build_rs, just before it, that serves the same way (`GraphParams.side_copies`); the
+cpu backend has the scan itself write that copy, head by head as it reads the rows.
 The arena those copies leave unused is dropped (`_fit_arena`).
 
 On failure the saved spans are written back newest first, so a row written by several ubatches of

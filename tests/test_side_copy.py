@@ -76,3 +76,32 @@ def test_gathers_the_side_copy_cannot_take_stay_get_rows(case):
 def test_side_copy_refuses_a_bad_index():
     with pytest.raises(mg.OpError, match=r"GET_ROWS .*index 7 .* out of range \[0, 3\)"):
         run("cpu", gather(3000, 3, [1, 7]), seed=2)
+
+
+def test_a_mamba2_decode_step_makes_its_side_copies_in_the_scan(monkeypatch):
+    """mamba2 decode on cpu with its sequences in their cells: the side copy of each layer's s rows
+    is made by the SSM_SCAN that reads them (the copy's record only checks indices), and it holds
+    exactly those rows' bytes from before the step, while the cache rows themselves move on."""
+    from minigraph.models.runner import Runner
+    from minigraph.models.zoo import make_model
+    fused = []
+    plain = cpu.CpuBackend._fused_side_copies
+    monkeypatch.setattr(cpu.CpuBackend, "_fused_side_copies",
+                        staticmethod(lambda compute: fused.append(plain(compute)) or fused[-1]))
+    r = Runner(make_model("mamba2", [mg.backend("cpu")], n_layer=2), mem_size=2, n_rs_seq=0, n_ubatch=8)
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    fused.clear()
+    r.decode_seq_tokens({0: [7], 1: [8]})              # the decode graph's plan
+    assert [len(f) for f in fused] == [2], fused       # one fused copy per mamba2 layer
+    before = {t: t.numpy().copy() for t in r.prev.witnesses}
+    r.decode_seq_tokens({0: [9], 1: [10]})             # the same plan, reused
+    ssm = [t for t in r.prev.witnesses if t.name.startswith("cache_s")]
+    assert len(ssm) == 2, [t.name for t in r.prev.witnesses]
+    for t in ssm:
+        old = before[t].reshape(-1, t.ne[0])
+        copy = r.prev.witnesses[t].numpy().reshape(-1, t.ne[0])
+        assert len(copy) == 2
+        for row in copy:
+            hits = [i for i, o in enumerate(old) if np.array_equal(row, o)]
+            assert hits, f"{t.name}: a side copy row is not a row of the cache before the step"
+            assert not np.array_equal(t.numpy().reshape(-1, t.ne[0])[hits[0]], row), "the step left the row as it was"

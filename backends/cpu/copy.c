@@ -285,6 +285,12 @@ void mg_copy_streaming(char *dst, const char *src, int64_t n) {
 #endif
 }
 
+void mg_stream_fence(void) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_sfence();
+#endif
+}
+
 /* rows dense rows of row_bytes into dst, row r read from src(ctx, r), as chunk ith of nth: the
  * chunks split dst's bytes in 4 KiB units (a copy of a few rows of hundreds of KiB still splits),
  * each unit written with streaming stores */

@@ -140,8 +140,15 @@ void mg_k_get_rows_side_copy(const mg_node *n, int ith, int nth) {   /* dst is c
     mg_copy_rows_streaming(n->dst.data, mg_nrows(&n->dst), n->dst.nb[1], indexed_row, n, ith, nth);
 }
 
+/* GET_ROWS:in_scan, a side copy that the scan reading the same rows makes itself, head by head
+ * as it reads them (the record's side pointer, ssm.c): this record only checks the indices */
+static void mg_k_get_rows_in_scan(const mg_node *n, int ith, int nth) {
+    (void)n; (void)ith; (void)nth;
+}
+
 __attribute__((constructor)) static void mg_register_get_rows_side_copy(void) {
     mg_register_kernel("GET_ROWS:side_copy", mg_k_get_rows_side_copy, mg_check_get_rows);
+    mg_register_kernel("GET_ROWS:in_scan", mg_k_get_rows_in_scan, mg_check_get_rows);
 }
 
 MG_KERNEL(SET_ROWS, mg_k_set_rows, mg_check_set_rows)

@@ -178,6 +178,8 @@ float mg_exp(float x);
 
 /* n bytes, the whole lines of dst as streaming stores (copy.c) */
 void mg_copy_streaming(char *dst, const char *src, int64_t n);
+/* after streaming stores: they are visible before anyone reads them (copy.c) */
+void mg_stream_fence(void);
 /* a dense copy of rows from wherever src(ctx, r) says row r is, split by bytes between chunks and
  * written with streaming stores (copy.c) */
 typedef const char *(*mg_row_source)(const void *ctx, int64_t r);

@@ -33,6 +33,10 @@ typedef struct mg_node {
      * them there (1) or, as when unfused, after its output (0: the store's CPY then copies them) */
     mg_tensor store;
     int64_t  *stored;
+    /* a side copy fused into a scan (build_plan's fused_side_copies): on the scan's record, where
+     * each sequence's state row goes, as read before the scan overwrites it ([state bytes,
+     * n_seqs] dense; NULL: not fused, the side copy's own record copies it) */
+    char     *side;
 } mg_node;
 
 typedef struct mg_error {

@@ -556,6 +556,8 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
         memcpy(&row, ids->data + q * ids->nb[0], 4);
         float *st = fused ? (float *)store_slot(n, q, 0) + h * hd * ds             /* [ds, hd] working state = slot 0 */
                           : out + ny + ((0 * ns + q) * nh + h) * hd * ds;
+        if (n->side)   /* the undo journal's copy of this head's state, before anything writes it */
+            mg_copy_streaming(n->side + (q * nh + h) * hd * ds * 4, mg_ptr(s, 0, 0, h, row), hd * ds * 4);
         if ((const char *)st != mg_ptr(s, 0, 0, h, row))                            /* not in place */
             for (int64_t p = 0; p < hd; p++)
                 memcpy(st + p * ds, mg_ptr(s, 0, p, h, row), (size_t)ds * 4);
@@ -609,6 +611,7 @@ void mg_k_ssm_scan(const mg_node *n, int ith, int nth) {
                              : out + ny + ((slot * ns + q) * nh + h) * hd * ds, st, (size_t)(hd * ds) * 4);
         }
     }
+    if (n->side) mg_stream_fence();
 }
 
 /* ---------------------------------------------------------------------------------------- */
