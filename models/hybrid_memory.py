@@ -170,11 +170,12 @@ class HybridMemory:
         recurrent cells whose rows count, RecurrentMemory.rows_written_by)."""
         return run_spans(self.byte_runs_written_by(ub, live))
 
-    def byte_runs_written_by(self, ub: Ubatch, live=None) -> list:
+    def byte_runs_written_by(self, ub: Ubatch, live=None, kv_cells=None) -> list:
         """The same as (tensor, byte offset, stride, count, nbytes) runs: one per recurrent row
-        range and tensor, and the KV cache's (its V as strided runs)."""
+        range and tensor, and the KV cache's (its V as strided runs); kv_cells: only those KV
+        cells' (KVCache.byte_runs_written_by)."""
         rec = self.recurrent
-        return rec.row_runs(rec.rows_written_by(ub, live)) + self.kv.byte_runs_written_by(ub)
+        return rec.row_runs(rec.rows_written_by(ub, live)) + self.kv.byte_runs_written_by(ub, kv_cells)
 
     def live_cells(self, meta: tuple | None = None) -> frozenset:
         """The recurrent cells that hold a sequence: now, or in `meta` (a meta_copy)."""

@@ -371,14 +371,16 @@ class KVCache:
         the K rows of its cells, and in the transposed V the same cells of every channel row."""
         return run_spans(self.byte_runs_written_by(ub))
 
-    def byte_runs_written_by(self, ub: Ubatch) -> list[tuple[mg.Tensor, int, int, int, int]]:
+    def byte_runs_written_by(self, ub: Ubatch, cells=None) -> list[tuple[mg.Tensor, int, int, int, int]]:
         """The same bytes as (tensor, byte offset, stride, count, nbytes) runs: per run of cells,
         one span of K rows, and one strided run over V's channel rows (kv_size cells apart), so
-        that the undo journal does not handle n_embd_v spans one by one per layer."""
+        that the undo journal does not handle n_embd_v spans one by one per layer. cells: only
+        those of the ubatch's cells (the journal's: the ones that held a position when the step
+        began)."""
         if self.ubatch is not ub:
             raise ValueError("kv byte_runs_written_by: the ubatch was not the last one placed "
                              "(rule: call it right after a successful find_slot)")
-        runs = coalesce_rows((c, 1) for c in self.idxs)
+        runs = coalesce_rows((c, 1) for c in self.idxs if cells is None or c in cells)
         out = []
         for il in self.layers:
             k, v = self.k_l[il], self.v_l[il]
@@ -394,6 +396,19 @@ class KVCache:
 
     def write_span(self, t: mg.Tensor, offs: int, data: np.ndarray):
         self._set_bytes(t, data, offs)
+
+    def observable_bytes(self, t: mg.Tensor) -> bytes:
+        """The raw bytes of K or V tensor t as attention can observe them: the entries of the
+        cells that hold no position zeroed (every attention masks those cells out, and the undo
+        journal does not save them: a failed step leaves them zeroed)."""
+        raw = np.frombuffer(t.numpy().tobytes(), np.uint8).copy()
+        free = [i for i, p in enumerate(self.cells.pos) if p < 0]
+        for il in self.layers:
+            if t is self.k_l[il]:
+                raw.reshape(self.size, -1)[free] = 0
+            elif t is self.v_l[il]:
+                raw.reshape(self.n_embd_v[il], self.size, -1)[:, free] = 0
+        return raw.tobytes()
 
     # -- K/V of cells as arrays (state files, tests) -------------------------------------------------
     def k_rows(self, il: int, cells: list[int]) -> np.ndarray:

@@ -67,13 +67,15 @@ def spans_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, i
     return [(t, row0 * t.nb[1], count * t.nb[1]) for t in memory.tensors() for row0, count in rows]
 
 
-def runs_written_by(memory, ub: Ubatch, live=None) -> list[tuple[object, int, int, int, int]]:
+def runs_written_by(memory, ub: Ubatch, live=None, kv_cells=None) -> list[tuple[object, int, int, int, int]]:
     """The same bytes as spans_written_by, as (tensor, byte offset, stride, count, nbytes) runs
     (strided_runs): what the journal copies. A memory that names its runs itself
     (byte_runs_written_by: a hybrid's transposed V, one strided run per layer and cell run) skips
-    building and regrouping thousands of small spans; tests spy on this function."""
+    building and regrouping thousands of small spans; kv_cells: only those of a hybrid's KV cells
+    (the journal's: the ones that held a position when the step began). Tests spy on this
+    function."""
     if hasattr(memory, "byte_runs_written_by"):
-        return memory.byte_runs_written_by(ub, live)
+        return memory.byte_runs_written_by(ub, live, kv_cells)
     return strided_runs(spans_written_by(memory, ub, live))
 
 
@@ -140,6 +142,12 @@ class StepJournal:
         self.rec = getattr(memory, "recurrent", memory)           # the recurrent part (a hybrid's)
         self.live = memory.live_cells(self.meta)    # the cells whose rows an undo must put back
         self.dead = frozenset(range(self.rec.size)) - self.live   # the others
+        # a hybrid's KV cells likewise: a cell that held no position is masked out of every
+        # attention, so its K/V bytes are not saved (a decode step writes only such cells); undo
+        # zeroes them instead, so that no value a failed graph left there (a NaN times a masked
+        # weight of 0) can reach a later step
+        self.kv = getattr(memory, "kv", None)
+        self._kv_pos = self.meta[1]["cells"].pos if self.kv is not None else None   # positions at the start
         self._dead_runs: list = []      # runs of the dead cells' rows the step's graphs may write
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
@@ -180,7 +188,12 @@ class StepJournal:
         spans of one tensor with the same length at a constant stride (a KV cache's transposed V:
         one short span per channel row) are copied as one strided block, not one by one."""
         self._settle()               # the last graph's gathers are about to be overwritten
-        runs = runs_written_by(self.memory, ub, self.live)
+        kv_live = None
+        if self.kv is not None:      # the ubatch's KV cells, by whether they held a position
+            kv_live = {c for c in self.kv.idxs if self._kv_pos[c] >= 0}
+            if len(kv_live) < len(self.kv.idxs):
+                self._dead_runs += self.kv.byte_runs_written_by(ub, set(self.kv.idxs) - kv_live)
+        runs = runs_written_by(self.memory, ub, self.live, kv_live)
         rec = self.rec
         self._dead_runs += dead_runs(rec, ub, self.dead)
         if self.defer and isinstance(rec, RecurrentMemory) and rec.reads_rows_in_place(ub):
@@ -262,8 +275,10 @@ class StepJournal:
         unwritten. The rows of cells that were empty are zeroed: nothing reads them, but one of
         them may become the zero row (rs_z) that build_rs clears by scaling with 0, which would
         keep a NaN a failed graph left there."""
-        for t, offs, _, _, n in self._dead_runs:
-            write_span(self.memory, t, offs, np.zeros(n, np.uint8))
+        zero = np.zeros(max((n for *_, n in self._dead_runs), default=0), np.uint8)
+        for t, offs, stride, count, n in self._dead_runs:
+            for i in range(count):
+                write_span(self.memory, t, offs + i * stride, zero[:n])
         for t, offs, data in reversed(self._held):
             if self._ran(data):
                 write_span(self.memory, t, offs, data)

@@ -37,11 +37,15 @@ def close(a, b):
 
 
 def whole_memory(r):
-    """Both memories' metadata and every byte of every r/s/K/V tensor."""
+    """Both memories' metadata and every byte of every r/s/K/V tensor (the K/V entries of cells
+    that hold no position, which attention masks out and the undo journal zeroes, as zeros)."""
     m = r.memory
     kv = m.kv
     kv_meta = (list(kv.cells.pos), [sorted(s) for s in kv.cells.seq], list(kv.cells.shift), kv.head)
-    return m.recurrent.meta_copy(), kv_meta, {t.name: t.numpy().tobytes() for t in m.tensors()}
+    kv_tensors = kv.tensors()
+    return m.recurrent.meta_copy(), kv_meta, {
+        t.name: kv.observable_bytes(t) if any(t is u for u in kv_tensors) else t.numpy().tobytes()
+        for t in m.tensors()}
 
 
 def test_runner_gives_a_hybrid_model_a_hybrid_memory_on_its_layer_devices():
@@ -281,3 +285,43 @@ def test_seq_add_and_seq_div_move_positions_in_both_memories():
     r.memory.seq_div(0, 0, -1, 2)
     assert sorted(p for p in r.memory.kv.cells.pos if p >= 0) == [5, 5, 6, 6]
     assert r.memory.kv.cells.has_shift
+
+
+def test_a_failed_decode_zeroes_the_kv_cells_it_took_instead_of_saving_them(monkeypatch):
+    """A decode step's new KV cells held no position, so the journal saves none of their bytes;
+    when the step fails after its graph wrote NaN there, undo leaves those cells zero (a NaN in
+    a masked cell would still reach the output: 0 * NaN), and the next steps match a runner that
+    never failed."""
+    r = runner()
+    r.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    saved0 = r.stats.snapshot_bytes
+    r.decode_seq_tokens({0: [7], 1: [8]})
+    rec_bytes = sum(t.nb[1] for t in r.memory.recurrent.tensors())
+    assert r.stats.snapshot_bytes - saved0 <= 2 * rec_bytes      # no K/V bytes among them
+    before = whole_memory(r)
+    kv = r.memory.kv
+    real = mg.Scheduler.graph_compute
+    taken = []
+
+    def graph_compute(sched, gf):
+        out = real(sched, gf)
+        taken.extend(kv.idxs)
+        for il in kv.layers:                 # the graph "wrote" NaN into the cells it took
+            kv.write_cells(il, list(kv.idxs), np.full((len(kv.idxs), kv.n_embd_k[il]), np.nan, np.float32),
+                           np.full((len(kv.idxs), kv.n_embd_v[il]), np.nan, np.float32))
+        raise Injected("injected failure")
+    monkeypatch.setattr(mg.Scheduler, "graph_compute", graph_compute)
+    with pytest.raises(Injected):
+        r.decode_seq_tokens({0: [9], 1: [10]})
+    monkeypatch.setattr(mg.Scheduler, "graph_compute", real)
+    assert whole_memory(r) == before and taken
+    for il in kv.layers:
+        assert not np.any(kv.k_rows(il, taken)) and not np.any(kv.v_rows(il, taken))
+    ref = runner(r.model)
+    ref.decode_seq_tokens({0: [1, 2, 3], 1: [4, 5, 6]})
+    ref.decode_seq_tokens({0: [7], 1: [8]})
+    for _ in range(2):
+        got, want = r.decode_seq_tokens({0: [9], 1: [10]}), ref.decode_seq_tokens({0: [9], 1: [10]})
+        assert np.all(np.isfinite(got[0])) and np.all(np.isfinite(got[1]))
+        close(got[0], want[0])
+        close(got[1], want[1])
