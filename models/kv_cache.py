@@ -18,7 +18,9 @@ writes their metadata, and the graph writes K/V through set_rows at the k_idxs /
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -119,7 +121,7 @@ class KVCells:
         n = self.used_max_p1()             # no used cell lies past it, and an empty one names no
         if any(self.seq[n:]):              # sequence, unless a negative position put one there
             n = len(self.pos)
-        return [p for p, s in zip(self.pos[:n], self.seq[:n]) if seq in s]
+        return list(itertools.compress(self.pos[:n], map(operator.contains, self.seq[:n], itertools.repeat(seq))))
 
     def copy(self) -> "KVCells":
         c = KVCells(0)
