@@ -306,9 +306,7 @@ void mg_copy_rows_streaming(char *dst, int64_t rows, int64_t row_bytes, mg_row_s
         mg_copy_streaming(dst + b, src(ctx, r) + off, len);
         b += len;
     }
-#if defined(__AVX512F__) || defined(__AVX2__)
-    _mm_sfence();   /* the streamed lines are visible before anyone reads them */
-#endif
+    mg_stream_fence();
 }
 
 /* CPY:save_rows, the undo journal's copy as one plan record, so that the executor's threads share

@@ -598,7 +598,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
 }
 #endif
 
-/* ---- q6_K weights x q8_K rows ---- */
+/* ---- q6_K weights x q8_K rows (ggml's lanes; MG_KROWS builds take dot_q6_K_512 instead) ---- */
 static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     const mg_block_q6_K *x = (const mg_block_q6_K *)xrow;
@@ -606,10 +606,6 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
     __m256 acc[TMAX];
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-#ifdef MG_KROWS
-    __m128 chain[TMAX];
-    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
-#endif
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
@@ -647,19 +643,10 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
         const float xd = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
-#ifdef MG_KROWS   /* tile_q6_K_8's chain: the block's exact sum, one fma */
-            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi[c]), xd * dy);
-#else
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dy * xd), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
-#endif
         }
     }
-#ifdef MG_KROWS
-    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
-    (void)acc;
-#else
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
-#endif
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_K *y = ys[c];
@@ -691,14 +678,12 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
  * dot_q6_K's sums with half the instructions: a register holds two of its 32-value groups
  * (ql's low or high nibbles of 64 bytes, with the two groups' qh bits moved into place by one
  * per-half variable shift), so a half-block (128 values) is two maddubs and two vpdpwssd whose
- * int16 scales are permuted per 16 values. The block's integer sum is exact, so the chain (one fma
- * per block) and the bits are those of dot_q6_K and tile_q6_K_8. */
-/* scale index per int16 lane, register g = 2h + p: lanes 8i..8i+7 take scale 8h + 4p + i */
-static const uint16_t Q6K_SC_W[4][32] __attribute__((aligned(64))) = {
-    {0,0,0,0,0,0,0,0,1,1,1,1,1,1,1,1,2,2,2,2,2,2,2,2,3,3,3,3,3,3,3,3},
-    {4,4,4,4,4,4,4,4,5,5,5,5,5,5,5,5,6,6,6,6,6,6,6,6,7,7,7,7,7,7,7,7},
-    {8,8,8,8,8,8,8,8,9,9,9,9,9,9,9,9,10,10,10,10,10,10,10,10,11,11,11,11,11,11,11,11},
-    {12,12,12,12,12,12,12,12,13,13,13,13,13,13,13,13,14,14,14,14,14,14,14,14,15,15,15,15,15,15,15,15}};
+ * int16 scales are permuted per 16 values. The block's integer sum is exact, and it goes into
+ * tile_q6_K_8's chain (one fma per block): the same bits as the 8-row tiles. */
+/* scale index per int16 lane of register 0: lanes 8i..8i+7 take scale i; register g = 2h + p
+ * takes 4g more (scales 8h + 4p + i) */
+static const uint16_t Q6K_SC_W0[32] __attribute__((aligned(64))) = {
+    0,0,0,0,0,0,0,0,1,1,1,1,1,1,1,1,2,2,2,2,2,2,2,2,3,3,3,3,3,3,3,3};
 
 static inline __attribute__((always_inline)) void dot_q6_K_512(int64_t nb, const char *xrow, const void *const *ys,
                                                                const int C, float *out) {
@@ -707,8 +692,8 @@ static inline __attribute__((always_inline)) void dot_q6_K_512(int64_t nb, const
     /* qh bits 2q..2q+1 to bits 4..5: groups 0 | 1 shift left by 4 | 2, groups 2 | 3 right by 0 | 2 */
     const __m512i shl01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i iw0 = _mm512_load_si512(Q6K_SC_W[0]), iw1 = _mm512_load_si512(Q6K_SC_W[1]);
-    const __m512i iw2 = _mm512_load_si512(Q6K_SC_W[2]), iw3 = _mm512_load_si512(Q6K_SC_W[3]);
+    const __m512i iw0 = _mm512_load_si512(Q6K_SC_W0), iw1 = _mm512_add_epi16(iw0, _mm512_set1_epi16(4));
+    const __m512i iw2 = _mm512_add_epi16(iw0, _mm512_set1_epi16(8)), iw3 = _mm512_add_epi16(iw0, _mm512_set1_epi16(12));
     __m128 chain[TMAX];
     for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1099,7 +1084,7 @@ ROW_TILES(q4_0, MG_Q4_0)
  * the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles (q4_K, K1024
  * M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from memory; q8_0 the
  * same shape: 0.14 ms in cache, 32.8 GB/s over 24 such weights), by the one-row kernel for q6_K
- * (the faster there) */
+ * (dot_q6_K_512: the faster there) */
 static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, const char *x, size_t xs,
                                                              const void *const *ys, int R, int C, float *o) {
     (void)R;
