@@ -6,9 +6,6 @@ The graph reads the KV cache through views of cells [0, n_kv): n_kv is baked int
 so a graph is reused only while n_kv and n_tokens (the mask's shape) stay the same."""
 from __future__ import annotations
 
-import itertools
-import operator
-
 import numpy as np
 
 import minigraph as mg
@@ -67,8 +64,7 @@ def kq_mask_values(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True)
     cells = kv.cells
     pos = np.asarray(cells.pos[:n_kv])
     first = [ids[0] for ids in ub.seq_id]
-    seqs = cells.seq[:n_kv]                  # membership tested at C speed (map, not a Python loop)
-    owns = {s: np.fromiter(map(operator.contains, seqs, itertools.repeat(s)), bool, n_kv) for s in set(first)}
+    owns = {s: np.fromiter(cells.holds(s, n_kv), bool, n_kv) for s in set(first)}
     seen = np.stack([owns[s] for s in first]) & (pos >= 0)[None, :]          # [n_tokens, n_kv]
     if causal:
         seen &= pos[None, :] <= np.asarray(ub.pos, np.int64)[:, None]

@@ -177,6 +177,11 @@ class HybridMemory:
         rec = self.recurrent
         return rec.row_runs(rec.rows_written_by(ub, live)) + self.kv.byte_runs_written_by(ub, kv_cells)
 
+    def kv_cells_positioned(self, cells, meta: tuple) -> set:
+        """Those of the KV cells `cells` that held a position in `meta` (a meta_copy)."""
+        pos = meta[1]["cells"].pos
+        return {c for c in cells if pos[c] >= 0}
+
     def live_cells(self, meta: tuple | None = None) -> frozenset:
         """The recurrent cells that hold a sequence: now, or in `meta` (a meta_copy)."""
         return self.recurrent.live_cells(None if meta is None else meta[0])

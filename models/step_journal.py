@@ -99,6 +99,18 @@ def write_span(memory, t, offs: int, data: np.ndarray):
         memory.write_row_bytes(t, offs // t.nb[1], data)
 
 
+def write_run(memory, t, offs: int, stride: int, data: np.ndarray):
+    """Put data ([count, n] bytes) into the run of count spans of n bytes, stride apart, from
+    offs: one strided assignment on the host, span by span elsewhere."""
+    host = _host_bytes(t)
+    if host is not None:
+        mem, base = host
+        _strided(mem, base + offs, stride, *data.shape)[...] = data
+        return
+    for i, row in enumerate(data):
+        write_span(memory, t, offs + i * stride, row)
+
+
 # One reusable byte arena per memory for the host fast path: a fresh array per span each step
 # would have its pages faulted in anew every step (a mamba2-130m-like decode step saves ~19 MB),
 # which cost as much as the copy itself. A step's spans are views into it; the next step of the
@@ -147,7 +159,6 @@ class StepJournal:
         # zeroes them instead, so that no value a failed graph left there (a NaN times a masked
         # weight of 0) can reach a later step
         self.kv = getattr(memory, "kv", None)
-        self._kv_pos = self.meta[1]["cells"].pos if self.kv is not None else None   # positions at the start
         self._dead_runs: list = []      # runs of the dead cells' rows the step's graphs may write
         self.spans: list = []      # (tensor, byte offset, stride, raw bytes: [count, n] host run or flat)
         self.nbytes = 0                                           # state bytes copied so far
@@ -190,7 +201,7 @@ class StepJournal:
         self._settle()               # the last graph's gathers are about to be overwritten
         kv_live = None
         if self.kv is not None:      # the ubatch's KV cells, by whether they held a position
-            kv_live = {c for c in self.kv.idxs if self._kv_pos[c] >= 0}
+            kv_live = self.memory.kv_cells_positioned(self.kv.idxs, self.meta)
             if len(kv_live) < len(self.kv.idxs):
                 self._dead_runs += self.kv.byte_runs_written_by(ub, set(self.kv.idxs) - kv_live)
         runs = runs_written_by(self.memory, ub, self.live, kv_live)
@@ -274,19 +285,17 @@ class StepJournal:
         last graph's gathers come first (they are the newest); one that never ran left its rows
         unwritten. The rows of cells that were empty are zeroed: nothing reads them, but one of
         them may become the zero row (rs_z) that build_rs clears by scaling with 0, which would
-        keep a NaN a failed graph left there."""
-        zero = np.zeros(max((n for *_, n in self._dead_runs), default=0), np.uint8)
+        keep a NaN a failed graph left there; a hybrid's KV cells that held no position likewise
+        (attention masks them, but 0 times a NaN is NaN)."""
         for t, offs, stride, count, n in self._dead_runs:
-            for i in range(count):
-                write_span(self.memory, t, offs + i * stride, zero[:n])
+            write_run(self.memory, t, offs, stride, np.zeros((count, n), np.uint8))
         for t, offs, data in reversed(self._held):
             if self._ran(data):
                 write_span(self.memory, t, offs, data)
         self._held = []
         for t, offs, stride, data in reversed(self.spans):
             if data.ndim == 2:                   # a host run (count x nbytes)
-                mem, base = _host_bytes(t)
-                _strided(mem, base + offs, stride, data.shape[0], data.shape[1])[...] = data
+                write_run(self.memory, t, offs, stride, data)
             else:
                 write_span(self.memory, t, offs, data)
         self.memory.restore_meta(self.meta)

@@ -360,12 +360,12 @@ class CpuBackend(HostBackend):
         before it (mamba2 decode, 2 threads: about a sixth of a step)."""
         out = {}
         for c, copy in enumerate(compute):
-            if copy.op != "GET_ROWS" or CpuBackend._kernel_name(copy) != "GET_ROWS:side_copy":
+            if CpuBackend._kernel_name(copy) != "GET_ROWS:side_copy":
                 continue
             a, idx = srcs_of(copy)["a"], srcs_of(copy)["b"]
             cache = a.root()
             for s in range(c + 1, len(compute)):
-                scan = compute[s]
+                scan = compute[s]                # the first SSM_SCAN, or a node in between
                 if scan.op == "SSM_SCAN":
                     st, ids = srcs_of(scan)["s"], srcs_of(scan)["ids"]
                     ds, hd, nh = st.ne[0], st.ne[1], st.ne[2]
