@@ -1112,7 +1112,10 @@ KROWS_TILES(q4_K, MG_Q4_K, 1)
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
 ROW_TILES(q4_K, MG_Q4_K)
-ROW_TILES(q6_K, MG_Q6_K)
+/* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
+ * 1 thread, Zen 3; q4_K there is fastest at 4) */
+DEFINE_TILE_WIDTHS(q6_K, row_tile, MG_Q6_K, 1)
+static const tiles q6_K_tiles = {1, TMAX, 0, TILE_WIDTHS(q6_K, 1), TILE_WIDTHS(q6_K, 1)};
 #endif
 ROW_TILES(f16, MG_F16)
 ROW_TILES(bf16, MG_BF16)
