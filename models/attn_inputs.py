@@ -62,14 +62,15 @@ def kq_mask_values(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True)
     empty cell, another sequence, a later position when causal); padded rows are all -inf.
     A token with several seq ids sees by its first, as llama.cpp does."""
     cells = kv.cells
-    pos = np.asarray(cells.pos[:n_kv])
+    n = min(n_kv, cells.hi)             # cells past hi never held a position: masked, as every empty one
+    pos = np.asarray(cells.pos[:n])
     first = [ids[0] for ids in ub.seq_id]
-    owns = {s: np.fromiter(cells.holds(s, n_kv), bool, n_kv) for s in set(first)}
-    seen = np.stack([owns[s] for s in first]) & (pos >= 0)[None, :]          # [n_tokens, n_kv]
+    owns = {s: np.fromiter(cells.holds(s, n), bool, n) for s in set(first)}
+    seen = np.stack([owns[s] for s in first]) & (pos >= 0)[None, :]          # [n_tokens, n]
     if causal:
         seen &= pos[None, :] <= np.asarray(ub.pos, np.int64)[:, None]
     mask = np.full((n_rows, n_kv), -np.inf, np.float32)
-    mask[:ub.n_tokens][seen] = 0.0
+    mask[:ub.n_tokens, :n][seen] = 0.0
     return mask
 
 

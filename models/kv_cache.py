@@ -52,13 +52,26 @@ class KVCells:
     """llama_kv_cells: per cell a position (-1: empty), a set of seq ids and the shift accumulated
     by seq_add / seq_div since the last K shift (a rope model re-rotates K by it; see has_shift).
     The seq sets are frozensets, replaced rather than changed, so that a copy (once per step, for
-    the undo journal and prepare's dry run) shares them: O(kv_size) list copies, no set copies."""
+    the undo journal and prepare's dry run) shares them: O(kv_size) list copies, no set copies.
+
+    `hi` bounds the cells ever placed: cells [hi, size) have never held a position or a sequence
+    since the cells were made (or cleared), so the scans a step makes (used cells, the highest
+    one, a sequence's positions) stop there instead of walking a mostly empty cache of thousands
+    of cells. Cells are placed only through `place`, which raises it."""
 
     def __init__(self, size: int):
         self.pos = [-1] * size
         self.seq: list[frozenset] = [frozenset()] * size
         self.shift = [0] * size
         self.has_shift = False
+        self.hi = 0
+
+    def place(self, i: int, pos: int, seqs: frozenset):
+        """Cell i holds pos for seqs (a ubatch's token put in its cell)."""
+        self.pos[i] = pos
+        self.seq[i] = seqs
+        if i >= self.hi:
+            self.hi = i + 1
 
     def size(self) -> int:
         return len(self.pos)
@@ -67,17 +80,16 @@ class KVCells:
         return self.pos[i] < 0
 
     def used(self) -> int:
-        pos = self.pos
+        pos = self.pos[:self.hi]
         if not pos or min(pos) >= -1:      # empty cells hold -1: counted at C speed (once per step)
             return len(pos) - pos.count(-1)
         return sum(1 for p in pos if p >= 0)
 
     def used_max_p1(self) -> int:
         """One past the highest used cell (0 when none): the graph attends to cells [0, n_kv).
-        Scanned from the end in blocks whose max is taken at C speed: a mostly empty cache of
-        thousands of cells costs microseconds, not a Python loop over every cell each step."""
+        Scanned down from hi in blocks whose max is taken at C speed."""
         pos, step = self.pos, 64
-        for end in range(len(pos), 0, -step):
+        for end in range(self.hi, 0, -step):
             start = max(0, end - step)
             if max(pos[start:end]) >= 0:
                 for i in range(end - 1, start - 1, -1):
@@ -124,13 +136,14 @@ class KVCells:
 
     def seq_pos(self, seq: int) -> list[int]:
         n = self.used_max_p1()             # no used cell lies past it, and an empty one names no
-        if any(self.seq[n:]):              # sequence, unless a negative position put one there
-            n = len(self.pos)
+        if any(self.seq[n:self.hi]):       # sequence, unless a negative position put one there
+            n = self.hi
         return list(itertools.compress(self.pos[:n], self.holds(seq, n)))
 
     def copy(self) -> "KVCells":
         c = KVCells(0)
         c.pos, c.seq, c.shift, c.has_shift = list(self.pos), list(self.seq), list(self.shift), self.has_shift
+        c.hi = self.hi
         return c
 
 
@@ -254,8 +267,7 @@ class KVCache:
         for i, c in enumerate(idxs):
             if not self.cells.is_empty(c):
                 self.cells.free(c)
-            self.cells.pos[c] = int(ub.pos[i])
-            self.cells.seq[c] = frozenset(int(s) for s in ub.seq_id[i])
+            self.cells.place(c, int(ub.pos[i]), frozenset(int(s) for s in ub.seq_id[i]))
         self.head = idxs[-1] + 1           # may be kv_size: the next search wraps to cell 0
         self.idxs = list(idxs)
         self.ubatch = ub

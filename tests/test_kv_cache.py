@@ -171,19 +171,23 @@ def test_attn_input_reuse_verdict_names_the_rule():
 
 
 def test_cells_counts_agree_with_a_plain_scan():
-    """used, used_max_p1 and seq_pos (scanned in blocks at C speed) against a cell-by-cell scan,
-    with the highest used cell on and around block edges, and a stray negative position."""
+    """used, used_max_p1 and seq_pos (scanned in blocks at C speed, up to the highest cell ever
+    placed) against a cell-by-cell scan, with the highest used cell on and around block edges, a
+    stray negative position, and cells freed again (the bound stays where it was)."""
     from minigraph.models.kv_cache import KVCells
     rng = np.random.default_rng(0)
     for size in (1, 63, 64, 65, 200):
         for top in sorted({0, size // 2, size - 1, min(63, size - 1), min(64, size - 1)}):
             c = KVCells(size)
             for i in rng.choice(top + 1, size=min(top + 1, 5), replace=False):
-                c.pos[i], c.seq[i] = int(rng.integers(0, 100)), frozenset({int(i) % 2})
-            c.pos[top], c.seq[top] = 7, frozenset({1})
+                c.place(int(i), int(rng.integers(0, 100)), frozenset({int(i) % 2}))
+            c.place(top, 7, frozenset({1}))
             if size > 2 and top > 0:
                 c.pos[0] = -5                           # negative: not used, but it names seq 1
-                c.pos[size - 1], c.seq[size - 1] = -3, frozenset({1})
+                c.place(size - 1, -3, frozenset({1}))
+            if size > 2 and top > 1:
+                c.free(top)                             # the highest used cell freed again
+            assert c.copy().hi == c.hi >= max((i + 1 for i, q in enumerate(c.seq) if q), default=0)
             assert c.used() == sum(1 for p in c.pos if p >= 0)
             assert c.used_max_p1() == max((i + 1 for i, p in enumerate(c.pos) if p >= 0), default=0)
             for s in (0, 1):
