@@ -266,7 +266,7 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
             }
             return;
         }
-        case MG_Q8_K: {
+        case MG_Q8_K: case MG_Q8_KP: {
             mg_block_q8_K *y = dst;
             for (int64_t b = 0; b < n / MG_QK_K; b++) {
                 const float *x = (const float *)(src + b * MG_QK_K * snb);
@@ -275,6 +275,10 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
                     x = tmp;
                 }
                 f32_to_q8_K_block(x, &y[b]);
+                if (t == MG_Q8_KP) {   /* the sums of each 32 values (quant.h) */
+                    for (int j = 0; j < 8; j++) y[b].bsums[j] = (int16_t)(y[b].bsums[2 * j] + y[b].bsums[2 * j + 1]);
+                    for (int j = 8; j < 16; j++) y[b].bsums[j] = 0;
+                }
             }
             return;
         }

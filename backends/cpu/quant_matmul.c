@@ -354,8 +354,12 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
+#ifdef MG_KROWS
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+#else       /* MG_Q8_KP rows: the pair sums made once per converted row */
+            const __m128i bs32 = _mm_loadu_si128((const __m128i *)y->bsums);
+#endif
 #ifdef MG_KROWS
             mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
 #else
@@ -1209,7 +1213,12 @@ int mg_work_type(int t) {
         case MG_Q8_0: return MG_Q8_0;
 #endif
         case MG_Q4_0: return MG_Q8_0X;
+#if MG_QAVX2 && !defined(MG_KROWS)
+        case MG_Q4_K: return MG_Q8_KP;   /* dot_q4_K reads the pair sums (quant.h): 1.05x, K768 M2048 by 512 */
+        case MG_Q6_K: return MG_Q8_K;
+#else
         case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
+#endif
         default: return -1;
     }
 }
