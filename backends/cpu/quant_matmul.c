@@ -41,6 +41,11 @@
 #if MG_VNNI && defined(__AVX512VBMI__)
 #define MG_KROWS 8
 #endif
+/* where dot_q4_K keeps ggml's lanes with SIMD, q4_K's converted rows are MG_Q8_KP (quant.h: the
+ * sums of each 32 values made once per converted row): mg_work_type and dot_q4_K both follow this */
+#if MG_QAVX2 && !defined(MG_KROWS)
+#define MG_Q4K_PAIR_SUMS 1
+#endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
  * 2048 measured 0-15% faster than none here (AMD EPYC Zen 3, 4096x4096 matrix x vector). */
@@ -130,9 +135,9 @@ static inline void prefetch_tile_step(const char *xrow, size_t tile_bytes, int64
  * carrying x's sign, then pairs of pairs), scaled by d = dx * dy into acc. y > -128 (converted
  * rows never hold -128): no overflow in the sign flip; pairs stay below 2*128*127 (no int16
  * saturation). ax = |qx|, made once per weight block */
-static inline __m256 q8_0_block_fma(__m256 acc, __m256i qx, __m256i ax, __m256i yq, float d) {
+static inline __m256 q8_0_block_fma(__m256 acc, __m256i qx, __m256i ax, __m256i yq, __m256 d) {
     const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(yq, qx));
-    return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), acc);
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), acc);
 }
 #endif
 
@@ -149,7 +154,8 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
         const float dx = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
             const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            acc[c] = q8_0_block_fma(acc[c], qx, ax, _mm256_loadu_si256((const __m256i *)y->qs), dx * mg_fp16_to_fp32(y->d));
+            acc[c] = q8_0_block_fma(acc[c], qx, ax, _mm256_loadu_si256((const __m256i *)y->qs),
+                                    _mm256_set1_ps(dx * mg_fp16_to_fp32(y->d)));
         }
     }
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
@@ -234,7 +240,6 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     float dd[TMAX * 4] __attribute__((aligned(16)));
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         __m256i xv[Q8_TR];
         __m128i dh = _mm_setzero_si128();
@@ -250,11 +255,9 @@ static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const ch
         }
         for (int c = 0; c < C; c++) {
             const __m256i yq = _mm256_loadu_si256((const __m256i *)(((const mg_block_q8_0 *)ys[c] + b)->qs));
-            for (int r = 0; r < R; r++) {
-                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv[r], xv[r]), _mm256_sign_epi8(yq, xv[r]));
-                acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + 4 * c + r),
-                                            _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[r][c]);
-            }
+            for (int r = 0; r < R; r++)
+                acc[r][c] = q8_0_block_fma(acc[r][c], xv[r], _mm256_sign_epi8(xv[r], xv[r]), yq,
+                                           _mm256_broadcast_ss(dd + 4 * c + r));
         }
     }
     for (int r = 0; r < R; r++)
@@ -354,11 +357,11 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
-#ifdef MG_KROWS
+#if MG_Q4K_PAIR_SUMS
+            const __m128i bs32 = _mm_loadu_si128((const __m128i *)y->bsums);
+#else
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-#else       /* MG_Q8_KP rows: the pair sums made once per converted row */
-            const __m128i bs32 = _mm_loadu_si128((const __m128i *)y->bsums);
 #endif
 #ifdef MG_KROWS
             mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
@@ -1090,10 +1093,10 @@ static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(
 
 /* the other types: one weight row against up to CMAX columns (a q4_K or q6_K block's unpacking
  * is shared by the columns; the converted blocks are small) */
-#define ROW_TILES(name, T)                                                                         \
+#define ROW_TILES(name, T, width)                                                                  \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
-    static const tiles name##_tiles = {1, CMAX, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
-ROW_TILES(q4_0, MG_Q4_0)
+    static const tiles name##_tiles = {1, width, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
+ROW_TILES(q4_0, MG_Q4_0, CMAX)
 #ifdef MG_KROWS
 /* q8_0, q4_K, q6_K: 8 rows by C columns; the rows left over by the one-row kernels, which follow
  * the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles (q4_K, K1024
@@ -1115,14 +1118,13 @@ KROWS_TILES(q8_0, MG_Q8_0, 1)
 KROWS_TILES(q4_K, MG_Q4_K, 1)
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
-ROW_TILES(q4_K, MG_Q4_K)
+ROW_TILES(q4_K, MG_Q4_K, CMAX)
 /* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
  * 1 thread, Zen 3; q4_K there is fastest at 4) */
-DEFINE_TILE_WIDTHS(q6_K, row_tile, MG_Q6_K, 1)
-static const tiles q6_K_tiles = {1, TMAX, 0, TILE_WIDTHS(q6_K, 1), TILE_WIDTHS(q6_K, 1)};
+ROW_TILES(q6_K, MG_Q6_K, TMAX)
 #endif
-ROW_TILES(f16, MG_F16)
-ROW_TILES(bf16, MG_BF16)
+ROW_TILES(f16, MG_F16, CMAX)
+ROW_TILES(bf16, MG_BF16, CMAX)
 
 /* weight rows [m0, m1) of one plane against all N converted rows, tile by tile; each output
  * comes out the same whichever tile computes it */
@@ -1213,12 +1215,12 @@ int mg_work_type(int t) {
         case MG_Q8_0: return MG_Q8_0;
 #endif
         case MG_Q4_0: return MG_Q8_0X;
-#if MG_QAVX2 && !defined(MG_KROWS)
-        case MG_Q4_K: return MG_Q8_KP;   /* dot_q4_K reads the pair sums (quant.h): 1.05x, K768 M2048 by 512 */
-        case MG_Q6_K: return MG_Q8_K;
+#if MG_Q4K_PAIR_SUMS
+        case MG_Q4_K: return MG_Q8_KP;   /* 1.05x, K768 M2048 by 512 */
 #else
-        case MG_Q4_K: case MG_Q6_K: return MG_Q8_K;
+        case MG_Q4_K: return MG_Q8_K;
 #endif
+        case MG_Q6_K: return MG_Q8_K;
         default: return -1;
     }
 }
