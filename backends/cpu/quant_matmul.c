@@ -12,7 +12,10 @@
  * Why these dot products agree with ggml's: the per-block integer sums are exact, the scales are
  * the same f32 products ggml forms, and on AVX2 the float accumulation follows ggml's own lanes
  * and order (8 partial sums per row, one fma per block, one horizontal sum), so results are
- * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only.
+ * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only. The
+ * exceptions put 8 weight rows in the vector lanes and sum each output in one f32 chain of their
+ * own (q8_0, q4_K and q6_K with MG_KROWS; q4_K with MG_Q4K_PANELS, below): they differ from
+ * ggml's by f32 rounding.
  *
  * Speed: matrix x vector is a stream over the weights (see QPF below); with more src1 rows the
  * outputs are computed in register tiles (run_tiles): q8_0 weights in tiles of rows x columns
@@ -41,10 +44,18 @@
 #if MG_VNNI && defined(__AVX512VBMI__)
 #define MG_KROWS 8
 #endif
-/* where dot_q4_K keeps ggml's lanes with SIMD, q4_K's converted rows are MG_Q8_KP (quant.h: the
- * sums of each 32 values made once per converted row): mg_work_type and dot_q4_K both follow this */
+/* q4_K on the other AVX2 builds: matrix x matrix repacks 8 weight rows at a time into a panel
+ * (run_q4_K_panels: values unpacked, one row per lane) that all the converted rows then read, and
+ * every q4_K kernel sums an output's blocks in the same one f32 chain as the MG_KROWS builds.
+ * Their converted rows are MG_Q8_KP (quant.h: the sums of each 32 values made once per converted
+ * row): mg_work_type, dot_q4_K and the panels follow this */
 #if MG_QAVX2 && !defined(MG_KROWS)
 #define MG_Q4K_PAIR_SUMS 1
+#define MG_Q4K_PANELS 1
+#endif
+/* q4_K kernels that sum each output in one chain (own order; ggml's 8 lanes elsewhere) */
+#if defined(MG_KROWS) || MG_Q4K_PANELS
+#define MG_Q4K_CHAIN 1
 #endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
@@ -84,7 +95,7 @@ static inline __m256i add_madd16(__m256i acc, __m256i a, __m256i b) {
 #define Q4K_CHAINS 1
 #endif
 
-#ifdef MG_KROWS
+#if MG_Q4K_CHAIN
 /* the int32 total of the lanes, in lane 0 (exact: the lanes are parts of one int32 sum) */
 static inline __m128i hsum4_epi32(__m128i s) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -93,9 +104,9 @@ static inline __m128i hsum4_epi32(__m128i s) {
 static inline __m128i hsum8_epi32(__m256i v) {
     return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
-/* one output's chain on MG_KROWS builds, in lane 0: acc + sum * d rounded once, as the 8-row
- * kernels' lanes do (kept in vector registers: a scalar int to float conversion would wait on
- * its destination's last value) */
+/* one output's chain (MG_KROWS builds; q4_K's one-row kernel on MG_Q4K_PANELS ones), in lane 0:
+ * acc + sum * d rounded once, as the 8-row kernels' lanes do (kept in vector registers: a scalar
+ * int to float conversion would wait on its destination's last value) */
 static inline __m128 chain_fma(__m128 acc, __m128i sum, float d) {
     return _mm_fmadd_ss(_mm_cvtepi32_ps(sum), _mm_set_ss(d), acc);
 }
@@ -336,7 +347,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
     __m128 accm[TMAX];
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int c = 0; c < C; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm_setzero_ps(); }
-#ifdef MG_KROWS
+#if MG_Q4K_CHAIN
     __m128 chain[TMAX];
     for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
 #endif
@@ -351,7 +362,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         /* the block's int32 sums, in nch chains: several columns are already independent chains */
         const int nch = C >= 3 ? 1 : Q4K_CHAINS;
         __m256i part[TMAX][Q4K_CHAINS];
-#ifdef MG_KROWS
+#if MG_Q4K_CHAIN
         __m128i mnsum[TMAX];
 #endif
         for (int c = 0; c < C; c++) {
@@ -363,7 +374,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
 #endif
-#ifdef MG_KROWS
+#if MG_Q4K_CHAIN
             mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
 #else
             accm[c] = _mm_fmadd_ps(_mm_set1_ps(-y->d * xdmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
@@ -389,7 +400,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
             __m256i sumi = part[c][0];
             for (int q = 1; q < nch; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
-#ifdef MG_KROWS   /* tile_q4_K_8's chain: the block's two exact sums, one fma each */
+#if MG_Q4K_CHAIN   /* tile_q4_K_8's chain: the block's two exact sums, one fma each */
             chain[c] = chain_fma(chain[c], hsum8_epi32(sumi), xd * dy);
             chain[c] = chain_fma(chain[c], mnsum[c], xdmin * -dy);
 #else
@@ -397,7 +408,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
 #endif
         }
     }
-#ifdef MG_KROWS
+#if MG_Q4K_CHAIN
     for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
     (void)acc; (void)accm;
 #else
@@ -431,6 +442,41 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
     }
 #endif
 }
+
+#if MG_QAVX2
+/* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
+static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
+    __m256i t[8], u[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; h++) {   /* rows 4h..4h+3 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* acc[c] (lane r: weight row r) to out[r * C + c] */
+static inline __attribute__((always_inline)) void store_lanes(const __m256 *acc, const int C, float *out) {
+    float o8[8 * TMAX] = {0};
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
+}
+#endif
 
 /* ---- q4_K: 8 weight rows at once (builds with AVX-512 VNNI and VBMI) ----
  * dot_q4_K spends two multiplies per 32 values and output (maddubs, then the scale). Here the
@@ -488,28 +534,6 @@ static inline __m256i dpbusd_bcast(__m256i acc, __m256i w, const void *p) {
     return acc;
 }
 
-/* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
-static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
-    __m256i t[8], u[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < 2; h++) {   /* rows 4h..4h+3 */
-        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
-#pragma GCC unroll 8
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
-        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
-    }
-}
-
 /* word r = the fp16 at d0 + r * xs, for the 8 rows r (one masked load each: no other byte is
  * read, and nothing goes through memory, where a store-then-load would stall) */
 static inline __attribute__((always_inline)) __m128i load_halves_8(const char *d0, size_t xs) {
@@ -525,17 +549,6 @@ static inline __attribute__((always_inline)) void load_rows_transposed(const cha
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
     transpose8x8_epi32(v);
-}
-
-/* acc[c] (lane r: weight row r) to out[r * C + c] */
-static inline __attribute__((always_inline)) void store_lanes(const __m256 *acc, const int C, float *out) {
-    float o8[8 * TMAX] = {0};
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) _mm256_storeu_ps(o8 + 8 * c, acc[c]);
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) out[r * C + c] = o8[8 * c + r];
 }
 
 /* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c] */
@@ -613,6 +626,254 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         }
     }
     store_lanes(acc, C, out);
+}
+#endif
+
+/* ---- q4_K: 8 weight rows in the lanes (AVX2 builds without MG_KROWS) ----
+ * Without vpdpbusd, dot_q4_K spends per 32 values and output a maddubs, a madd with the
+ * sub-block's scale and an add. Here 8 weight rows' values are unpacked to bytes with row r in
+ * lane r (4 values a lane): one maddubs against 4 converted values, broadcast, multiplies the 8
+ * rows at once; eight of them (32 values of a sub-block: |sum| <= 8 * 2 * 15 * 128 < 2^15) add
+ * up in int16, and one madd applies the 8 rows' scales: 9 multiplies per 8 x 32 values and
+ * output where dot_q4_K spends 16, and no horizontal sums.
+ * Matrix x matrix packs this form once per job and 8 rows into a panel (run_q4_K_panels) that
+ * every converted row reads; matrix x vector and a few columns transpose each block on the way
+ * (tile_q4_K_8). Each output is lane r's chain over blocks: acc + S * (d_r * dy), then
+ * + Mn * (dmin_r * -dy), each rounded once, S and Mn the block's exact integer sums: dot_q4_K's
+ * chain on these builds, so an output has the same bits whichever kernel, tile, batch or thread
+ * computes it. */
+#if MG_Q4K_PANELS
+/* the headers of one block of 8 rows, row r in lane r: the 6-bit scales of sub-blocks 0-3 (sl)
+ * and 4-7 (sh) and the mins (ml, mh) as bytes, and the super-scales */
+typedef struct { __m256i sl, sh, ml, mh; __m256 d, dmin; } q4_K_heads;
+
+/* the rows x + r * xs (x at the block): the 16 header bytes of rows r and r + 4 share a vector,
+ * so that the dword transposition comes out in row order */
+static inline __attribute__((always_inline)) q4_K_heads q4_K_heads_8(const char *x, size_t xs) {
+    __m256i h[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        h[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x + (size_t)r * xs))),
+                                       _mm_loadu_si128((const __m128i *)(x + (size_t)(r + 4) * xs)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
+    /* dword k of the 8 rows: d | dmin << 16, then the 12 scale bytes u0, u1, u2 */
+    const __m256i dd = _mm256_unpacklo_epi64(t0, t2), u0 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u1 = _mm256_unpacklo_epi64(t1, t3), u2 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i m3f = _mm256_set1_epi8(0x3f), m0f = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    q4_K_heads o;   /* q4_K_unpack's bit fields, in every lane */
+    o.sl = _mm256_and_si256(u0, m3f);
+    o.ml = _mm256_and_si256(u1, m3f);
+    o.sh = _mm256_or_si256(_mm256_and_si256(u2, m0f), _mm256_and_si256(_mm256_srli_epi32(u0, 2), m30));
+    o.mh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f), _mm256_and_si256(_mm256_srli_epi32(u1, 2), m30));
+    /* the 8 d, then the 8 dmin, as fp16 words */
+    const __m256i hw = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(dd, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    o.d = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
+    o.dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
+    return o;
+}
+
+/* byte i of every dword into its int16 halves: lo 0x80 zeroes a half (pshufb) */
+static inline __m256i dword_bytes(__m256i v, int lo, int hi) {
+    const int c = lo | 0x80 << 8 | hi << 16 | 0x80 << 24;
+    return _mm256_shuffle_epi8(v, _mm256_add_epi32(_mm256_setr_epi32(0, 4 * 0x10001, 8 * 0x10001, 12 * 0x10001,
+                                                                     0, 4 * 0x10001, 8 * 0x10001, 12 * 0x10001),
+                                                   _mm256_set1_epi32(c)));
+}
+/* lane r: row r's scale of sub-block j in both int16 halves (a madd applies it to a pair) */
+static inline __m256i q4_K_scale(const q4_K_heads *h, int j) {
+    return dword_bytes(j < 4 ? h->sl : h->sh, j % 4, j % 4);
+}
+/* lane r: row r's mins of sub-blocks 2t and 2t + 1, an int16 pair */
+static inline __m256i q4_K_min_pair(const q4_K_heads *h, int t) {
+    return dword_bytes(t < 2 ? h->ml : h->mh, 2 * (t % 2), 2 * (t % 2) + 1);
+}
+
+/* the 4 bytes at p in every lane (vbroadcastss: a load, no shuffle) */
+static inline __m256i bcast4(const void *p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
+/* acc[c] + the block's two sums for the 8 rows against column c (y[c]): S (s[c]) with the
+ * scales d, then the mins Mn against the column's sums of 32 values, two sub-blocks a madd */
+static inline __attribute__((always_inline)) void q4_K_block_fma(const __m256i *s, const __m256i mn[4], __m256 d, __m256 dmin,
+                                                                 const mg_block_q8_K *const *y, const int C, __m256 *acc) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        __m256i m = _mm256_madd_epi16(mn[0], bcast4(y[c]->bsums));
+#pragma GCC unroll 4
+        for (int t = 1; t < 4; t++) m = _mm256_add_epi32(m, _mm256_madd_epi16(mn[t], bcast4(y[c]->bsums + 2 * t)));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_set1_ps(y[c]->d)), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, _mm256_set1_ps(-y[c]->d)), acc[c]);
+    }
+}
+
+/* one block of 8 rows, packed: values, scales and mins in lanes */
+typedef struct {
+    __m256i w[8][8];   /* [sub-block j][k]: lane r = row r's values 32j + 4k .. 32j + 4k + 3 (0..15) */
+    __m256i sc[8];     /* q4_K_scale */
+    __m256i mn[4];     /* q4_K_min_pair */
+    __m256 d, dmin;
+} q4_K_panel;
+
+/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
+static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, q4_K_panel *p) {
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    for (int64_t b = 0; b < nb; b++, p++) {
+        const char *x = xrow + b * (int64_t)sizeof(mg_block_q4_K);
+        for (int g = 0; g < 4; g++) {   /* 32 bytes of nibbles: sub-blocks 2g (low) and 2g + 1 (high) */
+            __m256i v[8];
+            for (int r = 0; r < 8; r++)
+                v[r] = _mm256_loadu_si256((const __m256i *)(((const mg_block_q4_K *)(x + (size_t)r * xs))->qs + 32 * g));
+            transpose8x8_epi32(v);
+            for (int k = 0; k < 8; k++) {
+                _mm256_store_si256(&p->w[2 * g][k], _mm256_and_si256(v[k], lo4));
+                _mm256_store_si256(&p->w[2 * g + 1][k], _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4));
+            }
+        }
+        const q4_K_heads h = q4_K_heads_8(x, xs);
+        for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j);
+        for (int t = 0; t < 4; t++) p->mn[t] = q4_K_min_pair(&h, t);
+        p->d = h.d;
+        p->dmin = h.dmin;
+    }
+}
+
+/* a packed panel's 8 rows against C converted rows (MG_Q8_KP): out[r * C + c] */
+static inline __attribute__((always_inline)) void tile_q4_K_panel(int64_t nb, const q4_K_panel *p, const void *const *ys,
+                                                                  const int C, float *out) {
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, p++) {
+        const mg_block_q8_K *y[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_K *)ys[c] + b;
+        __m256i s[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
+        /* a sub-block per pass, not unrolled: the whole block's code overflows the op cache
+         * (1.35x slower, K768 M2048 by 512, Zen 3) */
+#pragma GCC unroll 1
+        for (int j = 0; j < 8; j++) {
+            __m256i a[TMAX];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m256i w = _mm256_load_si256(&p->w[j][k]);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m256i t = _mm256_maddubs_epi16(w, bcast4(y[c]->qs + 32 * j + 4 * k));
+                    a[c] = k ? _mm256_add_epi16(a[c], t) : t;
+                }
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(a[c], p->sc[j]));
+        }
+        q4_K_block_fma(s, p->mn, p->d, p->dmin, y, C, acc);
+    }
+    store_lanes(acc, C, out);
+}
+
+/* weight rows xrow + r * xs (r < 8) against C converted rows, each block transposed in
+ * registers on the way: out[r * C + c] */
+static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
+                                                              const void *const *ys, const int C, float *out) {
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_tile_step(xrow, 8 * xs, b, nb);
+        const char *x = xrow + b * (int64_t)sizeof(mg_block_q4_K);
+        const mg_block_q8_K *y[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_K *)ys[c] + b;
+        const q4_K_heads h = q4_K_heads_8(x, xs);
+        __m256i s[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {   /* sub-blocks 2g (low nibbles) and 2g + 1 (high) */
+            __m256i v[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++)
+                v[r] = _mm256_loadu_si256((const __m256i *)(((const mg_block_q4_K *)(x + (size_t)r * xs))->qs + 32 * g));
+            transpose8x8_epi32(v);
+            __m256i al[TMAX], ah[TMAX];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m256i ql = _mm256_and_si256(v[k], lo4), qh = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) {
+                    const __m256i tl = _mm256_maddubs_epi16(ql, bcast4(y[c]->qs + 64 * g + 4 * k));
+                    const __m256i th = _mm256_maddubs_epi16(qh, bcast4(y[c]->qs + 64 * g + 32 + 4 * k));
+                    al[c] = k ? _mm256_add_epi16(al[c], tl) : tl;
+                    ah[c] = k ? _mm256_add_epi16(ah[c], th) : th;
+                }
+            }
+            const __m256i scl = q4_K_scale(&h, 2 * g), sch = q4_K_scale(&h, 2 * g + 1);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+                s[c] = _mm256_add_epi32(s[c], _mm256_add_epi32(_mm256_madd_epi16(al[c], scl), _mm256_madd_epi16(ah[c], sch)));
+        }
+        __m256i mn[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) mn[t] = q4_K_min_pair(&h, t);
+        q4_K_block_fma(s, mn, h.d, h.dmin, y, C, acc);
+    }
+    store_lanes(acc, C, out);
+}
+
+/* columns per panel tile (16 vector registers: C int16 sums, C int32 sums, the values) */
+#ifndef Q4K_PC
+#define Q4K_PC 4
+#endif
+/* from this many converted rows on, matrix x matrix takes the panels */
+#ifndef Q4K_PANEL_MIN_N
+#define Q4K_PANEL_MIN_N 4
+#endif
+
+static void q4_K_panel_cols(int64_t nb, const q4_K_panel *p, const void *const *ys, int C, float *o) {
+    switch (C) {
+        case 1: tile_q4_K_panel(nb, p, ys, 1, o); break;
+        case 2: tile_q4_K_panel(nb, p, ys, 2, o); break;
+        case 3: tile_q4_K_panel(nb, p, ys, 3, o); break;
+#if Q4K_PC >= 4
+        case 4: tile_q4_K_panel(nb, p, ys, 4, o); break;
+#endif
+#if Q4K_PC >= 5
+        case 5: tile_q4_K_panel(nb, p, ys, 5, o); break;
+#endif
+#if Q4K_PC >= 6
+        case 6: tile_q4_K_panel(nb, p, ys, 6, o); break;
+#endif
+        default: break;
+    }
+}
+
+/* weight rows [m0, m0 + 8 * whole panels) of one plane against all N converted rows; returns
+ * the first row not done (the caller's one-row kernels take the rest) */
+static int64_t run_q4_K_panels(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, const char *ap,
+                               int64_t m0, int64_t m1, int64_t i2, int64_t i3, q4_K_panel *pan) {
+    const int64_t nb = a->ne[0] / MG_QK_K, N = b->ne[1];
+    const size_t xs = (size_t)a->nb[1];
+    int64_t i = m0;
+    for (; i + 8 <= m1; i += 8) {
+        q4_K_panel_pack(ap + i * xs, xs, nb, pan);
+        for (int64_t j = 0; j < N; j += Q4K_PC) {
+            const int C = (int)mg_min64(Q4K_PC, N - j);
+            const void *ys[TMAX];
+            float o[8 * TMAX];
+            for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
+            q4_K_panel_cols(nb, pan, ys, C, o);
+            for (int r = 0; r < 8; r++)
+                for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
+        }
+    }
+    return i;
 }
 #endif
 
@@ -1097,28 +1358,33 @@ static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {1, width, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
 ROW_TILES(q4_0, MG_Q4_0, CMAX)
-#ifdef MG_KROWS
-/* q8_0, q4_K, q6_K: 8 rows by C columns; the rows left over by the one-row kernels, which follow
- * the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles (q4_K, K1024
- * M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from memory; q8_0 the
- * same shape: 0.14 ms in cache, 32.8 GB/s over 24 such weights), by the one-row kernel for q6_K
- * (dot_q6_K_512: the faster there) */
+#if defined(MG_KROWS) || MG_Q4K_PANELS
+/* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q4_K on MG_Q4K_PANELS ones); the rows
+ * left over by the one-row kernels, which follow the same chain on these builds; matrix x vector
+ * by 8-row tiles where vec_tiles (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache,
+ * 23.6 against 15.8 GB/s from memory; q8_0 the same shape: 0.14 ms in cache, 32.8 GB/s over 24
+ * such weights), by the one-row kernel for q6_K (dot_q6_K_512: the faster there) */
 static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, const char *x, size_t xs,
                                                              const void *const *ys, int R, int C, float *o) {
     (void)R;
     if (t == MG_Q4_K) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
+#ifdef MG_KROWS
     else if (t == MG_Q6_K) tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
     else tile_q8_0_8(K / MG_QK8_0, x, xs, ys, C, o);
+#endif
 }
-#define KROWS_TILES(name, T, vec_tiles)   /* 8: MG_KROWS, spelled out for the token pasting */   \
+#define KROWS_TILES(name, T, vec_tiles)   /* 8 rows, spelled out for the token pasting */          \
     DEFINE_TILE_WIDTHS(name, krows_tile, T, 8)                                                     \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {8, CMAX, vec_tiles, TILE_WIDTHS(name, 8), TILE_WIDTHS(name, 1)};
-KROWS_TILES(q8_0, MG_Q8_0, 1)
 KROWS_TILES(q4_K, MG_Q4_K, 1)
-KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
 ROW_TILES(q4_K, MG_Q4_K, CMAX)
+#endif
+#ifdef MG_KROWS
+KROWS_TILES(q8_0, MG_Q8_0, 1)
+KROWS_TILES(q6_K, MG_Q6_K, 0)
+#else
 /* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
  * 1 thread, Zen 3; q4_K there is fastest at 4) */
 ROW_TILES(q6_K, MG_Q6_K, TMAX)
@@ -1168,6 +1434,12 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     }
     int64_t j0, j1;
     mg_split(planes * mblk, ith, nth, &j0, &j1);
+#if MG_Q4K_PANELS
+    /* one panel's memory per thread and call; without it the one-row kernels (the same bits) */
+    q4_K_panel *pan = NULL;
+    if (a->type == MG_Q4_K && N >= Q4K_PANEL_MIN_N && K > 0 && j0 < j1)
+        pan = aligned_alloc(32, (size_t)(K / MG_QK_K) * sizeof(q4_K_panel));
+#endif
     for (int64_t job = j0; job < j1; job++) {
         const int64_t mb = job % mblk, p = job / mblk;
         const int64_t i2 = p % b->ne[2], i3 = p / b->ne[2];
@@ -1179,6 +1451,12 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             continue;
         }
         if (N > 1 || tl->vec_tiles) {   /* matrix x matrix: tiles */
+#if MG_Q4K_PANELS
+            if (pan) {
+                run_tiles(tl, a, b, d, ap, run_q4_K_panels(a, b, d, ap, m0, m1, i2, i3, pan), m1, i2, i3);
+                continue;
+            }
+#endif
             run_tiles(tl, a, b, d, ap, m0, m1, i2, i3);
             continue;
         }
@@ -1189,6 +1467,9 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
+#if MG_Q4K_PANELS
+    free(pan);
+#endif
 }
 
 /* MUL_MAT:src1_to_dot_type: src[0] the f32 operand [K, N, b2, b3] (any strides), dst the work
@@ -1241,6 +1522,9 @@ int mg_quant_simd(void) {
 int mg_quant_row_group(int t) {
 #ifdef MG_KROWS
     if (t == MG_Q8_0 || t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
+#endif
+#if MG_Q4K_PANELS
+    if (t == MG_Q4_K) return 8;
 #endif
     (void)t;
     return 1;
