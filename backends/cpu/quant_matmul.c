@@ -14,13 +14,14 @@
  * and order (8 partial sums per row, one fma per block, one horizontal sum), so results are
  * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only. The
  * exceptions put 8 weight rows in the vector lanes and sum each output in one f32 chain of their
- * own (q8_0, q4_K and q6_K with MG_KROWS; q4_K with MG_Q4K_PANELS, below): they differ from
- * ggml's by f32 rounding.
+ * own (q8_0, q4_K and q6_K with MG_KROWS; q8_0 and q4_K with MG_PANELS, below): they differ
+ * from ggml's by f32 rounding.
  *
- * Speed: matrix x vector is a stream over the weights (see QPF below); with more src1 rows the
- * outputs are computed in register tiles (run_tiles): q8_0 weights in tiles of rows x columns
- * (tile_q8_0), the other types one weight row against CMAX columns, so that a weight block is
- * loaded and unpacked once for several converted rows.
+ * Speed: matrix x vector is a stream over the weights (see QPF below) or over 8 rows at a time;
+ * with more src1 rows the outputs are computed in register tiles (run_tiles): 8 weight rows by
+ * C columns where a type has 8-row kernels, packed once per job into panels (run_panels) from
+ * PANEL_MIN_N columns on MG_PANELS builds; otherwise one weight row against CMAX columns, so that
+ * a weight block is loaded and unpacked once for several converted rows.
  *
  * Batch invariance: an output element is the same function of (weight row, converted row)
  * whatever the thread, the chunk, the tile or the number of src1 rows: a tile only interleaves
@@ -44,17 +45,18 @@
 #if MG_VNNI && defined(__AVX512VBMI__)
 #define MG_KROWS 8
 #endif
-/* q4_K on the other AVX2 builds: matrix x matrix repacks 8 weight rows at a time into a panel
- * (run_q4_K_panels: values unpacked, one row per lane) that all the converted rows then read, and
- * every q4_K kernel sums an output's blocks in the same one f32 chain as the MG_KROWS builds.
- * Their converted rows are MG_Q8_KP (quant.h: the sums of each 32 values made once per converted
- * row): mg_work_type, dot_q4_K and the panels follow this */
+/* q8_0 and q4_K on the other AVX2 builds: 8 weight rows in the lanes too, without vpdpbusd
+ * (maddubs); matrix x matrix packs them once per job into panels (run_panels) that all the
+ * converted rows then read, and every kernel of the two types sums an output's blocks in one f32
+ * chain, as on the MG_KROWS builds. q4_K's converted rows there are MG_Q8_KP (quant.h: the sums
+ * of each 32 values made once per converted row): mg_work_type, dot_q4_K and the panels follow
+ * this */
 #if MG_QAVX2 && !defined(MG_KROWS)
 #define MG_Q4K_PAIR_SUMS 1
-#define MG_Q4K_PANELS 1
+#define MG_PANELS 1
 #endif
-/* q4_K kernels that sum each output in one chain (own order; ggml's 8 lanes elsewhere) */
-#if defined(MG_KROWS) || MG_Q4K_PANELS
+/* q4_K kernels that sum each output in one chain (every SIMD build) */
+#if defined(MG_KROWS) || MG_PANELS
 #define MG_Q4K_CHAIN 1
 #endif
 
@@ -104,7 +106,7 @@ static inline __m128i hsum4_epi32(__m128i s) {
 static inline __m128i hsum8_epi32(__m256i v) {
     return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
-/* one output's chain (MG_KROWS builds; q4_K's one-row kernel on MG_Q4K_PANELS ones), in lane 0:
+/* one output's chain (MG_KROWS builds; q4_K's one-row kernel on MG_PANELS ones), in lane 0:
  * acc + sum * d rounded once, as the 8-row kernels' lanes do (kept in vector registers: a scalar
  * int to float conversion would wait on its destination's last value) */
 static inline __m128 chain_fma(__m128 acc, __m128i sum, float d) {
@@ -141,35 +143,27 @@ static inline void prefetch_tile_step(const char *xrow, size_t tile_bytes, int64
 #endif
 
 /* ---- q8_0 weights x q8_0 rows ---- */
-#if MG_QAVX2
-/* one block of one output: the 8 int32 lanes of x * y (pairs by maddubs with |x| against y
- * carrying x's sign, then pairs of pairs), scaled by d = dx * dy into acc. y > -128 (converted
- * rows never hold -128): no overflow in the sign flip; pairs stay below 2*128*127 (no int16
- * saturation). ax = |qx|, made once per weight block */
-static inline __m256 q8_0_block_fma(__m256 acc, __m256i qx, __m256i ax, __m256i yq, __m256 d) {
-    const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(yq, qx));
-    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), acc);
-}
-#endif
-
+/* one weight row against C converted rows. With SIMD this is the 8-row kernels' chain (below:
+ * tile_q8_0_8 and the panels; MG_KROWS builds take dot_q8_0s instead) for the rows they leave:
+ * per block the exact int32 sum S (|x| against y carrying x's sign, y > -128: converted rows
+ * never hold -128), then acc + S * (dx * dy) rounded once */
 static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     const mg_block_q8_0 *x = (const mg_block_q8_0 *)xrow;
 #if MG_QAVX2
-    __m256 acc[TMAX];
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    __m128 chain[TMAX];
+    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        PREFETCH(x + b);
         const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        const __m256i ax = _mm256_sign_epi8(qx, qx);   /* |x| unsigned for maddubs, x's sign onto y */
+        const __m256i ax = _mm256_sign_epi8(qx, qx);
         const float dx = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
             const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            acc[c] = q8_0_block_fma(acc[c], qx, ax, _mm256_loadu_si256((const __m256i *)y->qs),
-                                    _mm256_set1_ps(dx * mg_fp16_to_fp32(y->d)));
+            const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y->qs), qx));
+            chain[c] = chain_fma(chain[c], hsum8_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), dx * mg_fp16_to_fp32(y->d));
         }
     }
-    for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
+    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_0 *y = ys[c];
@@ -181,100 +175,6 @@ static inline __attribute__((always_inline)) void dot_q8_0(int64_t nb, const cha
         }
         out[c] = s;
     }
-#endif
-}
-
-/* A tile of R weight rows (xrow + r * xs) against C converted rows for the matrix x matrix
- * case: out[r * C + c]. Each output keeps dot_q8_0's chain exactly (the same 8 int32 lanes per
- * block, the same scale product, one fma per block into its own 8 float lanes, one horizontal
- * sum), so a column's result does not depend on the tile, the batch or the thread; the tile only
- * loads each weight block once for C columns and each converted block once for R rows. */
-#ifndef Q8_TR
-#if MG_VNNI
-#define Q8_TR 4   /* 4 x 6 measured 1.05x of 4 x 4 here (Zen 4; 4 x 5 1.03x) */
-#define Q8_TC 6
-#else
-#define Q8_TR 2   /* 2 x 4 measured 1.15x of 2 x 2 here (Zen 3, K2048 M2048 by 512; 4 x 2 1.07x, 2 x 6 1.05x) */
-#define Q8_TC 4
-#endif
-#endif
-static inline __attribute__((always_inline)) void tile_q8_0(int64_t nb, const char *xrow, size_t xs,
-                                                            const void *const *ys, const int R, const int C,
-                                                            float *out) {
-    if (R == 1) {   /* one weight row: the matrix x vector stream (the same chain as the tiles) */
-        dot_q8_0(nb, xrow, ys, C, out);
-        return;
-    }
-#if MG_VNNI
-    /* vpdpbusd multiplies unsigned by signed bytes: with x + 128 as the unsigned side, each lane
-     * starts from -128 * (its 4 converted values) and ends at exactly the sum of x * y. The
-     * block's R x C scale products are formed as [the R rows' dx] * dy_c, four at a time, and
-     * reach the fmas as broadcasts from memory (loads, where a broadcast of a register would
-     * take an arithmetic port that the dot products need) */
-    __m256 acc[Q8_TR * TMAX];
-#pragma GCC unroll 24
-    for (int k = 0; k < R * C; k++) acc[k] = _mm256_setzero_ps();
-    const __m256i k80 = _mm256_set1_epi8((char)0x80);
-    float dd[TMAX * 4] __attribute__((aligned(16)));
-    for (int64_t b = 0; b < nb; b++) {
-        prefetch_tile_step(xrow, (size_t)R * xs, b, nb);
-        __m256i xv[Q8_TR];
-        __m128i dh = _mm_setzero_si128();   /* in a register: a store-then-load would stall */
-        for (int r = 0; r < R; r++) {
-            const mg_block_q8_0 *x = (const mg_block_q8_0 *)(xrow + r * xs) + b;
-            xv[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)x->qs), k80);
-            dh = _mm_insert_epi16(dh, x->d, r & 3);
-        }
-        const __m128 dx = _mm_cvtph_ps(dh);
-        for (int c = 0; c < C; c++) {
-            const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            _mm_store_ps(dd + 4 * c, _mm_mul_ps(dx, _mm_cvtph_ps(_mm_set1_epi16((short)y->d))));
-        }
-        for (int c = 0; c < C; c++) {
-            const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            const __m256i yq = _mm256_loadu_si256((const __m256i *)y->qs);
-            const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                   _mm256_dpbusd_epi32(_mm256_setzero_si256(), k80, yq));
-            for (int r = 0; r < R; r++)
-                acc[r * C + c] = _mm256_fmadd_ps(_mm256_broadcast_ss(dd + 4 * c + r),
-                                                 _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, xv[r], yq)),
-                                                 acc[r * C + c]);
-        }
-    }
-#pragma GCC unroll 24
-    for (int k = 0; k < R * C; k++) out[k] = hsum8(acc[k]);
-#elif MG_QAVX2
-    /* the block's R x C scale products dx_r * dy_c (the same f32 products dot_q8_0 forms) four at
-     * a time: the R rows' d converted in one step, times each column's; they reach the fmas as
-     * broadcasts from memory */
-    __m256 acc[Q8_TR][TMAX];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    float dd[TMAX * 4] __attribute__((aligned(16)));
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i xv[Q8_TR];
-        __m128i dh = _mm_setzero_si128();
-        for (int r = 0; r < R; r++) {
-            const mg_block_q8_0 *x = (const mg_block_q8_0 *)(xrow + r * xs) + b;
-            xv[r] = _mm256_loadu_si256((const __m256i *)x->qs);
-            dh = _mm_insert_epi16(dh, x->d, r & 3);
-        }
-        const __m128 dx = _mm_cvtph_ps(dh);
-        for (int c = 0; c < C; c++) {
-            const mg_block_q8_0 *y = (const mg_block_q8_0 *)ys[c] + b;
-            _mm_store_ps(dd + 4 * c, _mm_mul_ps(dx, _mm_cvtph_ps(_mm_set1_epi16((short)y->d))));
-        }
-        for (int c = 0; c < C; c++) {
-            const __m256i yq = _mm256_loadu_si256((const __m256i *)(((const mg_block_q8_0 *)ys[c] + b)->qs));
-            for (int r = 0; r < R; r++)
-                acc[r][c] = q8_0_block_fma(acc[r][c], xv[r], _mm256_sign_epi8(xv[r], xv[r]), yq,
-                                           _mm256_broadcast_ss(dd + 4 * c + r));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r * C + c] = hsum8(acc[r][c]);
-#else
-    for (int r = 0; r < R; r++) dot_q8_0(nb, xrow + r * xs, ys, C, out + r * C);
 #endif
 }
 
@@ -636,13 +536,13 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
  * rows at once; eight of them (32 values of a sub-block: |sum| <= 8 * 2 * 15 * 128 < 2^15) add
  * up in int16, and one madd applies the 8 rows' scales: 9 multiplies per 8 x 32 values and
  * output where dot_q4_K spends 16, and no horizontal sums.
- * Matrix x matrix packs this form once per job and 8 rows into a panel (run_q4_K_panels) that
+ * Matrix x matrix packs this form once per job and 8 rows into a panel (run_panels) that
  * every converted row reads; matrix x vector and a few columns transpose each block on the way
  * (tile_q4_K_8). Each output is lane r's chain over blocks: acc + S * (d_r * dy), then
  * + Mn * (dmin_r * -dy), each rounded once, S and Mn the block's exact integer sums: dot_q4_K's
  * chain on these builds, so an output has the same bits whichever kernel, tile, batch or thread
  * computes it. */
-#if MG_Q4K_PANELS
+#if MG_PANELS
 /* the headers of one block of 8 rows, row r in lane r: the 6-bit scales of sub-blocks 0-3 (sl)
  * and 4-7 (sh) and the mins (ml, mh) as bytes, and the super-scales */
 typedef struct { __m256i sl, sh, ml, mh; __m256 d, dmin; } q4_K_heads;
@@ -720,7 +620,8 @@ typedef struct {
 } q4_K_panel;
 
 /* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
-static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, q4_K_panel *p) {
+static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q4_K_panel *p = pan;
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int64_t b = 0; b < nb; b++, p++) {
         const char *x = xrow + b * (int64_t)sizeof(mg_block_q4_K);
@@ -827,48 +728,147 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
     store_lanes(acc, C, out);
 }
 
-/* columns per panel tile (16 vector registers: C int16 sums, C int32 sums, the values) */
-#ifndef Q4K_PC
-#define Q4K_PC 4
-#endif
-/* from this many converted rows on, matrix x matrix takes the panels */
-#ifndef Q4K_PANEL_MIN_N
-#define Q4K_PANEL_MIN_N 4
-#endif
+/* ---- q8_0: 8 weight rows in the lanes (AVX2 builds without MG_KROWS) ----
+ * Per block and output, ggml's lanes spend two integer multiplies and then a conversion and an
+ * fma. Here lane r holds row r's values, 4 a lane: |w| against 4 converted values broadcast and
+ * given w's signs (maddubs: pairs below 2 * 127 * 127, no saturation), then pairs of pairs (madd)
+ * into the 8 rows' int32 sums: the same two multiplies per 8 x 4 values, but one conversion and
+ * one fma per block serve 8 outputs. Matrix x matrix packs the transposed values once per job
+ * and 8 rows (the panels below); matrix x vector and a few columns transpose on the way
+ * (tile_q8_0_8). Each output is acc + S * (dx_r * dy) per block, rounded once, S the block's
+ * exact sum: dot_q8_0's chain on these builds. */
+typedef struct {
+    __m256i aw[8];   /* [k]: lane r = |row r's values 4k .. 4k + 3| */
+    __m256i sw[8];   /* [k]: the same values with their signs */
+    __m256 d;        /* [r] */
+} q8_0_panel;
 
-static void q4_K_panel_cols(int64_t nb, const q4_K_panel *p, const void *const *ys, int C, float *o) {
-    switch (C) {
-        case 1: tile_q4_K_panel(nb, p, ys, 1, o); break;
-        case 2: tile_q4_K_panel(nb, p, ys, 2, o); break;
-        case 3: tile_q4_K_panel(nb, p, ys, 3, o); break;
-#if Q4K_PC >= 4
-        case 4: tile_q4_K_panel(nb, p, ys, 4, o); break;
-#endif
-#if Q4K_PC >= 5
-        case 5: tile_q4_K_panel(nb, p, ys, 5, o); break;
-#endif
-#if Q4K_PC >= 6
-        case 6: tile_q4_K_panel(nb, p, ys, 6, o); break;
-#endif
-        default: break;
+/* block of the 8 rows x + r * xs (x at the block): v[k] lane r = row r's values 4k .. 4k + 3;
+ * returns the rows' d */
+static inline __attribute__((always_inline)) __m256 q8_0_rows_8(const char *x, size_t xs, __m256i v[8]) {
+    __m128i dh = _mm_setzero_si128();
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        const mg_block_q8_0 *xr = (const mg_block_q8_0 *)(x + (size_t)r * xs);
+        v[r] = _mm256_loadu_si256((const __m256i *)xr->qs);
+        dh = _mm_insert_epi16(dh, xr->d, r);
+    }
+    transpose8x8_epi32(v);
+    return _mm256_cvtph_ps(dh);
+}
+
+/* acc[c] + one block of 8 rows (aw, sw, d) against the blocks y[c] */
+static inline __attribute__((always_inline)) void q8_0_block_8(const __m256i *aw, const __m256i *sw, __m256 d,
+                                                               const mg_block_q8_0 *const *y, const int C, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s[TMAX];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i a = aw[k], w = sw[k];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(y[c]->qs + 4 * k), w)), ones);
+            s[c] = k ? _mm256_add_epi32(s[c], t) : t;
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++)
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_set1_ps(mg_fp16_to_fp32(y[c]->d))), acc[c]);
+}
+
+/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
+static void q8_0_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q8_0_panel *p = pan;
+    for (int64_t b = 0; b < nb; b++, p++) {
+        __m256i v[8];
+        p->d = q8_0_rows_8(xrow + b * (int64_t)sizeof(mg_block_q8_0), xs, v);
+        for (int k = 0; k < 8; k++) {
+            p->sw[k] = v[k];
+            p->aw[k] = _mm256_sign_epi8(v[k], v[k]);
+        }
     }
 }
 
+static inline __attribute__((always_inline)) void tile_q8_0_panel(int64_t nb, const q8_0_panel *p, const void *const *ys,
+                                                                  const int C, float *out) {
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, p++) {
+        const mg_block_q8_0 *y[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_0 *)ys[c] + b;
+        q8_0_block_8(p->aw, p->sw, p->d, y, C, acc);
+    }
+    store_lanes(acc, C, out);
+}
+
+/* weight rows xrow + r * xs (r < 8) against C converted rows, each block transposed on the way */
+static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const char *xrow, size_t xs,
+                                                              const void *const *ys, const int C, float *out) {
+    __m256 acc[TMAX];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_tile_step(xrow, 8 * xs, b, nb);
+        __m256i v[8], aw[8];
+        const __m256 d = q8_0_rows_8(xrow + b * (int64_t)sizeof(mg_block_q8_0), xs, v);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) aw[k] = _mm256_sign_epi8(v[k], v[k]);
+        const mg_block_q8_0 *y[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_0 *)ys[c] + b;
+        q8_0_block_8(aw, v, d, y, C, acc);
+    }
+    store_lanes(acc, C, out);
+}
+
+/* ---- panels: 8 weight rows packed once per job, read by every converted row ---- */
+/* columns per panel tile (16 vector registers: q4_K's C int16 sums, C int32 sums, the values) */
+#define PANEL_C 4
+/* from this many converted rows on, matrix x matrix takes the panels (below: tile_q4_K_8 and
+ * tile_q8_0_8, which pack nothing) */
+#define PANEL_MIN_N 4
+
+#define PANEL_COLS(name, tile, T)                                                                  \
+    static void name(int64_t nb, const void *p, const void *const *ys, int C, float *o) {          \
+        switch (C) {                                                                               \
+            case 1: tile(nb, (const T *)p, ys, 1, o); break;                                       \
+            case 2: tile(nb, (const T *)p, ys, 2, o); break;                                       \
+            case 3: tile(nb, (const T *)p, ys, 3, o); break;                                       \
+            case 4: tile(nb, (const T *)p, ys, 4, o); break;                                       \
+            default: break;                                                                        \
+        }                                                                                          \
+    }
+PANEL_COLS(q4_K_panel_cols, tile_q4_K_panel, q4_K_panel)
+PANEL_COLS(q8_0_panel_cols, tile_q8_0_panel, q8_0_panel)
+
+/* a weight type's panels: values per block, bytes of one packed block of 8 rows, the packing
+ * and the tiles (by 1..PANEL_C columns) */
+typedef struct {
+    int64_t block_values;
+    size_t panel_bytes;
+    void (*pack)(const char *xrow, size_t xs, int64_t nb, void *pan);
+    void (*cols)(int64_t nb, const void *pan, const void *const *ys, int C, float *o);
+} panel_kind;
+static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
+static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
+
 /* weight rows [m0, m0 + 8 * whole panels) of one plane against all N converted rows; returns
  * the first row not done (the caller's one-row kernels take the rest) */
-static int64_t run_q4_K_panels(const mg_tensor *a, const mg_tensor *b, const mg_tensor *d, const char *ap,
-                               int64_t m0, int64_t m1, int64_t i2, int64_t i3, q4_K_panel *pan) {
-    const int64_t nb = a->ne[0] / MG_QK_K, N = b->ne[1];
+static int64_t run_panels(const panel_kind *pk, const mg_tensor *a, const mg_tensor *b, const mg_tensor *d,
+                          const char *ap, int64_t m0, int64_t m1, int64_t i2, int64_t i3, void *pan) {
+    const int64_t nb = a->ne[0] / pk->block_values, N = b->ne[1];
     const size_t xs = (size_t)a->nb[1];
     int64_t i = m0;
     for (; i + 8 <= m1; i += 8) {
-        q4_K_panel_pack(ap + i * xs, xs, nb, pan);
-        for (int64_t j = 0; j < N; j += Q4K_PC) {
-            const int C = (int)mg_min64(Q4K_PC, N - j);
+        pk->pack(ap + i * xs, xs, nb, pan);
+        for (int64_t j = 0; j < N; j += PANEL_C) {
+            const int C = (int)mg_min64(PANEL_C, N - j);
             const void *ys[TMAX];
             float o[8 * TMAX];
             for (int c = 0; c < C; c++) ys[c] = mg_ptr(b, 0, j + c, i2, i3);
-            q4_K_panel_cols(nb, pan, ys, C, o);
+            pk->cols(nb, pan, ys, C, o);
             for (int r = 0; r < 8; r++)
                 for (int c = 0; c < C; c++) mg_store_f32(mg_ptr(d, i + r, j + c, i2, i3), o[r * C + c]);
         }
@@ -1315,13 +1315,7 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
 typedef void (*tile_fn)(int64_t K, const char *x, size_t xs, const void *const *ys, float *o);
 typedef struct { int tr, tc, vec_tiles; tile_fn rows[TMAX + 1], row[TMAX + 1]; } tiles;
 
-/* the two kernel shapes behind the tiles, with one signature: q8_0's rows x columns tile, and
- * the other types' one row against C columns (dot_cols; R is 1) */
-static inline __attribute__((always_inline)) void q8_0_tile(int t, int64_t K, const char *x, size_t xs,
-                                                            const void *const *ys, int R, int C, float *o) {
-    (void)t;
-    tile_q8_0(K / MG_QK8_0, x, xs, ys, R, C, o);
-}
+/* the one-row kernels behind the tiles, with the tiles' signature (R is 1) */
 static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, const char *x, size_t xs,
                                                            const void *const *ys, int R, int C, float *o) {
     (void)xs; (void)R;
@@ -1338,55 +1332,43 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
     DEFINE_TILE(name, kernel, T, R, 5) DEFINE_TILE(name, kernel, T, R, 6)
 #define TILE_WIDTHS(name, R) {NULL, name##_##R##x1, name##_##R##x2, name##_##R##x3, name##_##R##x4, name##_##R##x5, name##_##R##x6}
 
-/* q8_0: Q8_TR x C tiles (8 x C on MG_KROWS builds, below) */
-#ifndef MG_KROWS
-DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 1)
-#if Q8_TR == 4
-DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 4)
-static const tiles q8_0_tiles = {4, Q8_TC, 0, TILE_WIDTHS(q8_0, 4), TILE_WIDTHS(q8_0, 1)};
-#elif Q8_TR == 2
-DEFINE_TILE_WIDTHS(q8_0, q8_0_tile, MG_Q8_0, 2)
-static const tiles q8_0_tiles = {2, Q8_TC, 0, TILE_WIDTHS(q8_0, 2), TILE_WIDTHS(q8_0, 1)};
-#else
-#error "Q8_TR is 2 or 4"
-#endif
-#endif
-
 /* the other types: one weight row against up to CMAX columns (a q4_K or q6_K block's unpacking
  * is shared by the columns; the converted blocks are small) */
 #define ROW_TILES(name, T, width)                                                                  \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {1, width, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
 ROW_TILES(q4_0, MG_Q4_0, CMAX)
-#if defined(MG_KROWS) || MG_Q4K_PANELS
-/* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q4_K on MG_Q4K_PANELS ones); the rows
- * left over by the one-row kernels, which follow the same chain on these builds; matrix x vector
- * by 8-row tiles where vec_tiles (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache,
- * 23.6 against 15.8 GB/s from memory; q8_0 the same shape: 0.14 ms in cache, 32.8 GB/s over 24
- * such weights), by the one-row kernel for q6_K (dot_q6_K_512: the faster there) */
+#if defined(MG_KROWS) || MG_PANELS
+/* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q8_0 and q4_K on MG_PANELS ones,
+ * from PANEL_MIN_N columns on by panels instead); the rows left over by the one-row kernels,
+ * which follow the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles
+ * (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from
+ * memory; q8_0 the same shape: 0.14 ms in cache, 32.8 GB/s over 24 such weights; AVX-512), by
+ * the one-row kernel for q6_K (dot_q6_K_512: the faster there) */
 static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, const char *x, size_t xs,
                                                              const void *const *ys, int R, int C, float *o) {
     (void)R;
     if (t == MG_Q4_K) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
 #ifdef MG_KROWS
     else if (t == MG_Q6_K) tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
-    else tile_q8_0_8(K / MG_QK8_0, x, xs, ys, C, o);
 #endif
+    else tile_q8_0_8(K / MG_QK8_0, x, xs, ys, C, o);
 }
 #define KROWS_TILES(name, T, vec_tiles)   /* 8 rows, spelled out for the token pasting */          \
     DEFINE_TILE_WIDTHS(name, krows_tile, T, 8)                                                     \
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {8, CMAX, vec_tiles, TILE_WIDTHS(name, 8), TILE_WIDTHS(name, 1)};
 KROWS_TILES(q4_K, MG_Q4_K, 1)
+KROWS_TILES(q8_0, MG_Q8_0, 1)
 #else
 ROW_TILES(q4_K, MG_Q4_K, CMAX)
+ROW_TILES(q8_0, MG_Q8_0, CMAX)
 #endif
 #ifdef MG_KROWS
-KROWS_TILES(q8_0, MG_Q8_0, 1)
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
 /* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
- * 1 thread, Zen 3; q4_K there is fastest at 4) */
+ * 1 thread, Zen 3) */
 ROW_TILES(q6_K, MG_Q6_K, TMAX)
 #endif
 ROW_TILES(f16, MG_F16, CMAX)
@@ -1434,11 +1416,12 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     }
     int64_t j0, j1;
     mg_split(planes * mblk, ith, nth, &j0, &j1);
-#if MG_Q4K_PANELS
+#if MG_PANELS
     /* one panel's memory per thread and call; without it the one-row kernels (the same bits) */
-    q4_K_panel *pan = NULL;
-    if (a->type == MG_Q4_K && N >= Q4K_PANEL_MIN_N && K > 0 && j0 < j1)
-        pan = aligned_alloc(32, (size_t)(K / MG_QK_K) * sizeof(q4_K_panel));
+    const panel_kind *pk = a->type == MG_Q4_K ? &q4_K_panels : a->type == MG_Q8_0 ? &q8_0_panels : NULL;
+    void *pan = NULL;
+    if (pk && N >= PANEL_MIN_N && K > 0 && j0 < j1)
+        pan = aligned_alloc(32, (size_t)(K / pk->block_values) * pk->panel_bytes);
 #endif
     for (int64_t job = j0; job < j1; job++) {
         const int64_t mb = job % mblk, p = job / mblk;
@@ -1451,9 +1434,9 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             continue;
         }
         if (N > 1 || tl->vec_tiles) {   /* matrix x matrix: tiles */
-#if MG_Q4K_PANELS
+#if MG_PANELS
             if (pan) {
-                run_tiles(tl, a, b, d, ap, run_q4_K_panels(a, b, d, ap, m0, m1, i2, i3, pan), m1, i2, i3);
+                run_tiles(tl, a, b, d, ap, run_panels(pk, a, b, d, ap, m0, m1, i2, i3, pan), m1, i2, i3);
                 continue;
             }
 #endif
@@ -1467,7 +1450,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
-#if MG_Q4K_PANELS
+#if MG_PANELS
     free(pan);
 #endif
 }
@@ -1523,8 +1506,8 @@ int mg_quant_row_group(int t) {
 #ifdef MG_KROWS
     if (t == MG_Q8_0 || t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
 #endif
-#if MG_Q4K_PANELS
-    if (t == MG_Q4_K) return 8;
+#if MG_PANELS
+    if (t == MG_Q8_0 || t == MG_Q4_K) return 8;
 #endif
     (void)t;
     return 1;
