@@ -55,10 +55,6 @@
 #define MG_Q4K_PAIR_SUMS 1
 #define MG_PANELS 1
 #endif
-/* q4_K kernels that sum each output in one chain (every SIMD build) */
-#if defined(MG_KROWS) || MG_PANELS
-#define MG_Q4K_CHAIN 1
-#endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
  * 2048 measured 0-15% faster than none here (AMD EPYC Zen 3, 4096x4096 matrix x vector). */
@@ -97,7 +93,6 @@ static inline __m256i add_madd16(__m256i acc, __m256i a, __m256i b) {
 #define Q4K_CHAINS 1
 #endif
 
-#if MG_Q4K_CHAIN
 /* the int32 total of the lanes, in lane 0 (exact: the lanes are parts of one int32 sum) */
 static inline __m128i hsum4_epi32(__m128i s) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -106,13 +101,12 @@ static inline __m128i hsum4_epi32(__m128i s) {
 static inline __m128i hsum8_epi32(__m256i v) {
     return hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
-/* one output's chain (MG_KROWS builds; q4_K's one-row kernel on MG_PANELS ones), in lane 0:
+/* one output's chain in the one-row kernels of the types with 8-row kernels, in lane 0:
  * acc + sum * d rounded once, as the 8-row kernels' lanes do (kept in vector registers: a scalar
  * int to float conversion would wait on its destination's last value) */
 static inline __m128 chain_fma(__m128 acc, __m128i sum, float d) {
     return _mm_fmadd_ss(_mm_cvtepi32_ps(sum), _mm_set_ss(d), acc);
 }
-#endif
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -239,18 +233,16 @@ static inline void q4_K_unpack(const uint8_t *s12, uint32_t sc[2], uint32_t m[2]
 }
 
 /* ---- q4_K weights x q8_K rows ---- */
+/* one weight row against C converted rows. With SIMD this is the 8-row kernels' chain (below:
+ * tile_q4_K_8 and the panels) for the rows they leave: per block the exact sums S and Mn, then
+ * acc + S * (d * dy), + Mn * (dmin * -dy), each rounded once */
 static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const char *xrow, const void *const *ys,
                                                            const int C, float *out) {
     const mg_block_q4_K *x = (const mg_block_q4_K *)xrow;
 #if MG_QAVX2
-    __m256 acc[TMAX];
-    __m128 accm[TMAX];
     const __m256i lo4 = _mm256_set1_epi8(0xf);
-    for (int c = 0; c < C; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm_setzero_ps(); }
-#if MG_Q4K_CHAIN
     __m128 chain[TMAX];
     for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
-#endif
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64);
         uint32_t sc[2], m[2];
@@ -262,9 +254,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
         /* the block's int32 sums, in nch chains: several columns are already independent chains */
         const int nch = C >= 3 ? 1 : Q4K_CHAINS;
         __m256i part[TMAX][Q4K_CHAINS];
-#if MG_Q4K_CHAIN
         __m128i mnsum[TMAX];
-#endif
         for (int c = 0; c < C; c++) {
             const mg_block_q8_K *y = (const mg_block_q8_K *)ys[c] + b;
             /* the sums of each 32 converted values (pairs of bsums), against the mins */
@@ -274,11 +264,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
 #endif
-#if MG_Q4K_CHAIN
             mnsum[c] = hsum4_epi32(_mm_madd_epi16(mins, bs32));
-#else
-            accm[c] = _mm_fmadd_ps(_mm_set1_ps(-y->d * xdmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), accm[c]);
-#endif
             for (int q = 0; q < nch; q++) part[c][q] = _mm256_setzero_si256();
         }
         for (int j = 0; j < 4; j++) {   /* 64 values: 32 bytes of nibbles against 64 converted values */
@@ -300,24 +286,11 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
             __m256i sumi = part[c][0];
             for (int q = 1; q < nch; q++) sumi = _mm256_add_epi32(sumi, part[c][q]);
-#if MG_Q4K_CHAIN   /* tile_q4_K_8's chain: the block's two exact sums, one fma each */
             chain[c] = chain_fma(chain[c], hsum8_epi32(sumi), xd * dy);
             chain[c] = chain_fma(chain[c], mnsum[c], xdmin * -dy);
-#else
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dy * xd), _mm256_cvtepi32_ps(sumi), acc[c]);
-#endif
         }
     }
-#if MG_Q4K_CHAIN
     for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
-    (void)acc; (void)accm;
-#else
-    for (int c = 0; c < C; c++) {
-        __m128 mm = _mm_add_ps(accm[c], _mm_movehl_ps(accm[c], accm[c]));
-        mm = _mm_add_ss(mm, _mm_movehdup_ps(mm));
-        out[c] = hsum8(acc[c]) + _mm_cvtss_f32(mm);
-    }
-#endif
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_K *y = ys[c];
@@ -364,6 +337,13 @@ static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8
         v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
         v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
     }
+}
+
+/* v[k] = dword k of the 32 bytes at p[r] + off, for the 8 rows r (lane r) */
+static inline __attribute__((always_inline)) void load_rows_transposed(const char *const p[8], size_t off, __m256i v[8]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
+    transpose8x8_epi32(v);
 }
 
 /* acc[c] (lane r: weight row r) to out[r * C + c] */
@@ -444,12 +424,6 @@ static inline __attribute__((always_inline)) __m128i load_halves_8(const char *d
     return h;
 }
 
-/* v[k] = dword k of the 32 bytes at p[r] + off, for the 8 rows r (lane r) */
-static inline __attribute__((always_inline)) void load_rows_transposed(const char *const p[8], size_t off, __m256i v[8]) {
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
-    transpose8x8_epi32(v);
-}
 
 /* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c] */
 static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
@@ -547,6 +521,12 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
  * and 4-7 (sh) and the mins (ml, mh) as bytes, and the super-scales */
 typedef struct { __m256i sl, sh, ml, mh; __m256 d, dmin; } q4_K_heads;
 
+/* the values of the 8 rows x + r * xs (x at a block) */
+static inline __attribute__((always_inline)) void q4_K_qs_8(const char *x, size_t xs, const char *qs[8]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) qs[r] = (const char *)((const mg_block_q4_K *)(x + (size_t)r * xs))->qs;
+}
+
 /* the rows x + r * xs (x at the block): the 16 header bytes of rows r and r + 4 share a vector,
  * so that the dword transposition comes out in row order */
 static inline __attribute__((always_inline)) q4_K_heads q4_K_heads_8(const char *x, size_t xs) {
@@ -625,11 +605,11 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int64_t b = 0; b < nb; b++, p++) {
         const char *x = xrow + b * (int64_t)sizeof(mg_block_q4_K);
+        const char *qs[8];
+        q4_K_qs_8(x, xs, qs);
         for (int g = 0; g < 4; g++) {   /* 32 bytes of nibbles: sub-blocks 2g (low) and 2g + 1 (high) */
             __m256i v[8];
-            for (int r = 0; r < 8; r++)
-                v[r] = _mm256_loadu_si256((const __m256i *)(((const mg_block_q4_K *)(x + (size_t)r * xs))->qs + 32 * g));
-            transpose8x8_epi32(v);
+            load_rows_transposed(qs, 32 * g, v);
             for (int k = 0; k < 8; k++) {
                 _mm256_store_si256(&p->w[2 * g][k], _mm256_and_si256(v[k], lo4));
                 _mm256_store_si256(&p->w[2 * g + 1][k], _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4));
@@ -643,39 +623,30 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
     }
 }
 
-/* a packed panel's 8 rows against C converted rows (MG_Q8_KP): out[r * C + c] */
-static inline __attribute__((always_inline)) void tile_q4_K_panel(int64_t nb, const q4_K_panel *p, const void *const *ys,
-                                                                  const int C, float *out) {
-    __m256 acc[TMAX];
+/* acc[c] + one packed block of 8 rows against the blocks y[c] (MG_Q8_KP) */
+static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_panel *p, const mg_block_q8_K *const *y,
+                                                                   const int C, __m256 *acc) {
+    __m256i s[TMAX];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, p++) {
-        const mg_block_q8_K *y[TMAX];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_K *)ys[c] + b;
-        __m256i s[TMAX];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
-        /* a sub-block per pass, not unrolled: the whole block's code overflows the op cache
-         * (1.35x slower, K768 M2048 by 512, Zen 3) */
+    for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
+    /* a sub-block per pass, not unrolled: the whole block's code overflows the op cache
+     * (19.4 against 13.6-14.1 ms, K768 M2048 by 512, 1 thread, Zen 3) */
 #pragma GCC unroll 1
-        for (int j = 0; j < 8; j++) {
-            __m256i a[TMAX];
+    for (int j = 0; j < 8; j++) {
+        __m256i a[TMAX];
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-                const __m256i w = _mm256_load_si256(&p->w[j][k]);
+        for (int k = 0; k < 8; k++) {
+            const __m256i w = _mm256_load_si256(&p->w[j][k]);
 #pragma GCC unroll 8
-                for (int c = 0; c < C; c++) {
-                    const __m256i t = _mm256_maddubs_epi16(w, bcast4(y[c]->qs + 32 * j + 4 * k));
-                    a[c] = k ? _mm256_add_epi16(a[c], t) : t;
-                }
+            for (int c = 0; c < C; c++) {
+                const __m256i t = _mm256_maddubs_epi16(w, bcast4(y[c]->qs + 32 * j + 4 * k));
+                a[c] = k ? _mm256_add_epi16(a[c], t) : t;
             }
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(a[c], p->sc[j]));
         }
-        q4_K_block_fma(s, p->mn, p->d, p->dmin, y, C, acc);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(a[c], p->sc[j]));
     }
-    store_lanes(acc, C, out);
+    q4_K_block_fma(s, p->mn, p->d, p->dmin, y, C, acc);
 }
 
 /* weight rows xrow + r * xs (r < 8) against C converted rows, each block transposed in
@@ -693,16 +664,15 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_K *)ys[c] + b;
         const q4_K_heads h = q4_K_heads_8(x, xs);
+        const char *qs[8];
+        q4_K_qs_8(x, xs, qs);
         __m256i s[TMAX];
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int g = 0; g < 4; g++) {   /* sub-blocks 2g (low nibbles) and 2g + 1 (high) */
             __m256i v[8];
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++)
-                v[r] = _mm256_loadu_si256((const __m256i *)(((const mg_block_q4_K *)(x + (size_t)r * xs))->qs + 32 * g));
-            transpose8x8_epi32(v);
+            load_rows_transposed(qs, 32 * g, v);
             __m256i al[TMAX], ah[TMAX];
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++) {
@@ -747,13 +717,14 @@ typedef struct {
  * returns the rows' d */
 static inline __attribute__((always_inline)) __m256 q8_0_rows_8(const char *x, size_t xs, __m256i v[8]) {
     __m128i dh = _mm_setzero_si128();
+    const char *qs[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) {
         const mg_block_q8_0 *xr = (const mg_block_q8_0 *)(x + (size_t)r * xs);
-        v[r] = _mm256_loadu_si256((const __m256i *)xr->qs);
+        qs[r] = (const char *)xr->qs;
         dh = _mm_insert_epi16(dh, xr->d, r);
     }
-    transpose8x8_epi32(v);
+    load_rows_transposed(qs, 0, v);
     return _mm256_cvtph_ps(dh);
 }
 
@@ -789,18 +760,10 @@ static void q8_0_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
     }
 }
 
-static inline __attribute__((always_inline)) void tile_q8_0_panel(int64_t nb, const q8_0_panel *p, const void *const *ys,
-                                                                  const int C, float *out) {
-    __m256 acc[TMAX];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, p++) {
-        const mg_block_q8_0 *y[TMAX];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_0 *)ys[c] + b;
-        q8_0_block_8(p->aw, p->sw, p->d, y, C, acc);
-    }
-    store_lanes(acc, C, out);
+/* acc[c] + one packed block of 8 rows against the blocks y[c] */
+static inline __attribute__((always_inline)) void q8_0_panel_block(const q8_0_panel *p, const mg_block_q8_0 *const *y,
+                                                                   const int C, __m256 *acc) {
+    q8_0_block_8(p->aw, p->sw, p->d, y, C, acc);
 }
 
 /* weight rows xrow + r * xs (r < 8) against C converted rows, each block transposed on the way */
@@ -830,18 +793,31 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
  * tile_q8_0_8, which pack nothing) */
 #define PANEL_MIN_N 4
 
-#define PANEL_COLS(name, tile, T)                                                                  \
-    static void name(int64_t nb, const void *p, const void *const *ys, int C, float *o) {          \
+/* a type's panel tiles: a packed panel's 8 rows against C converted rows, one block at a time
+ * (T##_panel_block), out[r * C + c]; and by C = 1..PANEL_C columns, C a constant in each */
+#define PANEL_TILES(T, Y)                                                                          \
+    static inline __attribute__((always_inline)) void T##_panel_tile(int64_t nb, const T##_panel *p, \
+                                                                     const void *const *ys, const int C, float *out) { \
+        __m256 acc[TMAX];                                                                          \
+        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < nb; b++, p++) {                                                    \
+            const Y *y[TMAX];                                                                      \
+            for (int c = 0; c < C; c++) y[c] = (const Y *)ys[c] + b;                               \
+            T##_panel_block(p, y, C, acc);                                                         \
+        }                                                                                          \
+        store_lanes(acc, C, out);                                                                  \
+    }                                                                                              \
+    static void T##_panel_cols(int64_t nb, const void *p, const void *const *ys, int C, float *o) { \
         switch (C) {                                                                               \
-            case 1: tile(nb, (const T *)p, ys, 1, o); break;                                       \
-            case 2: tile(nb, (const T *)p, ys, 2, o); break;                                       \
-            case 3: tile(nb, (const T *)p, ys, 3, o); break;                                       \
-            case 4: tile(nb, (const T *)p, ys, 4, o); break;                                       \
+            case 1: T##_panel_tile(nb, p, ys, 1, o); break;                                        \
+            case 2: T##_panel_tile(nb, p, ys, 2, o); break;                                        \
+            case 3: T##_panel_tile(nb, p, ys, 3, o); break;                                        \
+            case 4: T##_panel_tile(nb, p, ys, 4, o); break;                                        \
             default: break;                                                                        \
         }                                                                                          \
     }
-PANEL_COLS(q4_K_panel_cols, tile_q4_K_panel, q4_K_panel)
-PANEL_COLS(q8_0_panel_cols, tile_q8_0_panel, q8_0_panel)
+PANEL_TILES(q4_K, mg_block_q8_K)
+PANEL_TILES(q8_0, mg_block_q8_0)
 
 /* a weight type's panels: values per block, bytes of one packed block of 8 rows, the packing
  * and the tiles (by 1..PANEL_C columns) */
