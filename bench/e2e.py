@@ -94,6 +94,17 @@ QBOUND = {"f16": 0.1, "bf16": 0.1, "q8_0": 0.1, "q4_0": 0.1, "q4_k_m": 0.1}
 # or SPREAD_SLACK x llama.cpp's own spread on the row if larger; and minigraph must also be
 # nearer llama.cpp than the float model (an engine of float products would be near the float
 # model instead): that, not the ratio, is what tells ggml's arithmetic from float products.
+# llama.cpp's variant changes the order of a few ops only; minigraph sums every quantized dot in
+# its own float32 order. So the model's own spread is also measured on minigraph: the same file
+# with each float32 norm weight one ulp apart (PerturbedEngine), from minigraph's default. On the
+# Kimi-like model in Q8_0 this rounding-level change alone moves the logits 0.95 x the float
+# model's NMSE (prefill512; 0.93 prefill4x128, 0.82 decode4, 0.51 decode1), against 0.56 (qwen35)
+# and 0.51 (mamba2) on prefill512: there a rounding difference is carried as far as quantizing
+# the weights, and minigraph, llama.cpp and the float model all sit about as far from each other.
+# Being nearer the float model than llama.cpp then proves nothing; float products would still sit
+# next to it (they convert no activations, so rounding does not grow: the f32 rows agree to
+# TARGET). So that refusal also needs minigraph nearer the float model than rounding carries this
+# model (the rounding spread / SPREAD_SLACK of the float model's NMSE).
 NMSE_BOUND = {"f16": 0.7, "bf16": 0.7, "q8_0": 0.75, "q4_0": 0.75, "q4_k_m": 0.75}
 SPREAD_SLACK = 1.5
 NMSE_TARGET = 0.01
@@ -191,6 +202,24 @@ class DequantizedEngine(MinigraphEngine):
         for name, t in load_gguf(path, devices=mg.backend("cpu")).gguf_tensors().items():
             if t.type != mg.f32:
                 mine[name].set(np.asarray(mg.dequantize(t), np.float32).reshape(mine[name].shape))
+
+
+class PerturbedEngine(MinigraphEngine):
+    """minigraph on the same file with every float32 norm weight moved by one ulp (up or down at
+    random, fixed seed): the same arithmetic on inputs a rounding apart. How far its logits land
+    from minigraph's measures how far this model carries a rounding difference; an engine that
+    only sums in another float32 order (llama.cpp, say) is expected about that far away."""
+
+    def __init__(self, path, n_threads, n_seqs, n_ctx):
+        import numpy as np
+        import minigraph as mg
+        super().__init__(path, n_threads, n_seqs, n_ctx)
+        rng = np.random.default_rng(0)
+        for name, t in sorted(self.model.gguf_tensors().items()):
+            if t.type == mg.f32 and "norm" in name:
+                v = np.asarray(t.numpy(), np.float32)
+                up = rng.random(v.shape) < 0.5
+                t.set(np.nextafter(v, np.where(up, np.float32(np.inf), np.float32(-np.inf))).astype(np.float32))
 
 
 class LlamaEngine:
@@ -503,6 +532,8 @@ def worker(cfg: dict, out_path: str) -> int:
         eng = DequantizedEngine(path, nt, sh["n_seqs"], n_ctx, f32_path=cfg["f32_path"])
     elif engine == "llama-variant":
         eng = LlamaEngine(path, nt, sh["n_seqs"], n_ctx, variant=True)
+    elif engine == "minigraph-ulp":
+        eng = PerturbedEngine(path, nt, sh["n_seqs"], n_ctx)
     else:
         eng = (MinigraphEngine if engine == "minigraph" else LlamaEngine)(path, nt, sh["n_seqs"], n_ctx)
     load_s = time.perf_counter() - t0
@@ -719,26 +750,42 @@ def reference_outs(cfg: dict, engine: str, timeout: float):
         w.close()
 
 
-def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs) -> tuple:
+def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs, perturbed_outs=None) -> tuple:
     """(refusal or None, the row's note) for a quantized row: minigraph's NMSE from llama.cpp
-    against the float model's, bounded by NMSE_BOUND or by llama.cpp's own spread (see there)."""
+    against the float model's, bounded by NMSE_BOUND or by the model's own spread, whichever is
+    larger: llama.cpp's (its benign variant from its default) or minigraph's (the same file with
+    its norm weights one ulp apart, from minigraph); see NMSE_BOUND. A reference that did not run
+    is an {'error': ...} dict and counts for nothing."""
     floats = max(nmse(float_outs, llama_outs), 1e-300)
     mine = nmse(mg_outs, llama_outs)
     ratio = mine / floats
-    if isinstance(variant_outs, dict):            # the variant did not run: the fixed bound only
-        spread, said = 0.0, f"llama.cpp variant failed: {variant_outs['error'][:60]}"
-    else:
-        spread = nmse(variant_outs, llama_outs) / floats
-        said = f"llama.cpp's own {spread:.2f} x"
-    bound = max(NMSE_BOUND[ftype], SPREAD_SLACK * spread)
+    spreads, said = {}, []
+    for who, outs, base in (("llama.cpp", variant_outs, llama_outs), ("rounding", perturbed_outs, mg_outs)):
+        if outs is None:
+            continue
+        if isinstance(outs, dict):
+            said.append(f"{who} failed: {outs['error'][:60]}")
+        else:
+            spreads[who] = nmse(outs, base) / floats
+            said.append(f"{who} {spreads[who]:.2f} x")
+    said = "; ".join(said)
+    bound = max([NMSE_BOUND[ftype]] + [SPREAD_SLACK * s for s in spreads.values()])
     to_float = nmse(mg_outs, float_outs)
     n_ex = exact_calls(mg_outs, llama_outs)
     note = (f"  calls exact {n_ex}/{len(llama_outs)}, nmse {mine:.1e} = {ratio:.2f} x float products"
-            f"{'!' if ratio > min(NMSE_TARGET, bound) else ''} ({said}, bound {bound:.2f})")
+            f"{'!' if ratio > min(NMSE_TARGET, bound) else ''}, {to_float / floats:.2f} x from them "
+            f"(own spread: {said}; bound {bound:.2f})")
     if ratio > bound:
         return (f"logits differ: NMSE {mine:.3g} is {ratio:.3g} x a dequantize-then-f32 model's (> {bound:.2g}; "
-                f"{said}): not ggml's arithmetic; no speed reported"), note
-    if mine >= to_float:
+                f"own spread: {said}): not ggml's arithmetic; no speed reported"), note
+    # float products convert no activations, so rounding does not carry them far (the f32 rows
+    # agree to TARGET): an engine of them sits next to the float model. Nearer it than llama.cpp
+    # condemns minigraph only while it is also nearer than rounding alone carries this model.
+    # (an engine of float products is carried nowhere by rounding: a spread below NMSE_TARGET
+    # excuses nothing)
+    rounding = spreads.get("rounding", 0.0)
+    carried = rounding > NMSE_TARGET and to_float >= floats * rounding / SPREAD_SLACK
+    if mine >= to_float and not carried:
         return (f"logits differ: NMSE {mine:.3g} from llama.cpp, {to_float:.3g} from the dequantize-then-f32 "
                 f"model: nearer float products than ggml's arithmetic; no speed reported"), note
     return None, note
@@ -884,14 +931,15 @@ def main(argv=None) -> int:
                         if phase not in refs:
                             refs[phase] = {e: reference_outs(dict(cfg, f32_path=write_model(name, spec, args.dir)), e,
                                                             120 if args.quick else 1800)
-                                          for e in ("dequantized", "llama-variant")}
+                                          for e in ("dequantized", "llama-variant", "minigraph-ulp")}
                         if "error" in refs[phase]["dequantized"]:
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} FAILED: dequantized model: "
                                 f"{refs[phase]['dequantized']['error']}")
                             rows.append((name, phase, nt, None))
                             continue
                         refusal, arith = arithmetic_check(ftype, res["minigraph"]["outs"], res["llama"]["outs"],
-                                                          refs[phase]["dequantized"], refs[phase]["llama-variant"])
+                                                          refs[phase]["dequantized"], refs[phase]["llama-variant"],
+                                                          refs[phase]["minigraph-ulp"])
                         if refusal:
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} {refusal}")
                             rows.append((name, phase, nt, None))
@@ -930,9 +978,10 @@ def main(argv=None) -> int:
                                                      if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
            + " are refused, and rows whose NMSE is above " + ", ".join(f"{t} {NMSE_BOUND[t]:g}" for t in FTYPES
                                                      if t != "f32" and (t in ftypes or quick_q8 and t == "q8_0"))
-           + f" (or {SPREAD_SLACK:g} x llama.cpp's own spread, if larger: its NMSE with weights not repacked and "
-             "flash attention on) x a dequantize-then-f32 model's ('!' above 0.01 x), or nearer that model than "
-             "llama.cpp; see NMSE_BOUND in bench/e2e.py"))
+           + f" (or {SPREAD_SLACK:g} x the model's own spread, if larger: llama.cpp's NMSE with weights not "
+             "repacked and flash attention on, and minigraph's with its norm weights one ulp apart) x a "
+             "dequantize-then-f32 model's ('!' above 0.01 x), or nearer that model than llama.cpp and than rounding "
+             "carries it; see NMSE_BOUND in bench/e2e.py"))
     say(f"# wall {time.perf_counter() - t_start:.0f} s, load avg at the end {loadavg()}"
         + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     if args.write:

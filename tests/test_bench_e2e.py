@@ -161,7 +161,7 @@ def test_arithmetic_check_bounds_by_llama_cpps_own_spread(e2e):
     variant = llama + np.sqrt(0.7) * e[3]                        # llama.cpp's own spread: 0.7 x
     assert e2e.NMSE_BOUND["q8_0"] < 0.8 < e2e.SPREAD_SLACK * 0.7
     refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant))
-    assert refusal is None and "llama.cpp's own 0.70 x" in note and "0.80 x float products" in note, note
+    assert refusal is None and "llama.cpp 0.70 x" in note and "0.80 x float products" in note, note
     # without the variant only the fixed bound holds
     refusal, _ = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), {"error": "refused"})
     assert refusal and "not ggml's arithmetic" in refusal, refusal
@@ -170,3 +170,39 @@ def test_arithmetic_check_bounds_by_llama_cpps_own_spread(e2e):
     assert refusal and "nearer float products" in refusal, refusal
     # llama.cpp's own arithmetic: passes
     assert e2e.arithmetic_check("q8_0", outs(llama + 1e-3 * e[5]), outs(llama), outs(floats), outs(variant))[0] is None
+
+
+def test_arithmetic_check_takes_the_models_rounding_spread_into_account(e2e):
+    """Where a rounding-level change of minigraph's own inputs (norm weights one ulp apart) moves
+    the logits about as far as the float model is, the bound follows that spread, and being a
+    little nearer the float model than llama.cpp is no longer a refusal; float products (next to
+    the float model) still are, and so is a row beyond the spread."""
+    import numpy as np
+    e = np.eye(8)
+
+    def outs(v):
+        return [{0: v}]
+    llama = 10 * e[0]
+    floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
+    variant = llama + np.sqrt(0.3) * e[3]                        # llama.cpp's own spread: 0.3 x
+    mine = llama + 0.6 * e[1] + np.sqrt(0.95 - 0.36) * e[2]      # 0.95 x, and 0.75 x from the floats
+    perturbed = mine + np.sqrt(0.9) * e[4]                       # rounding carries it ~0.9 x
+    assert e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant))[0]
+    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant),
+                                         outs(perturbed))
+    assert refusal is None and "rounding 0.89 x" in note and "bound 1.34" in note, note
+    # float products: next to the float model, and rounding carries them nowhere
+    products = floats + 0.01 * e[5]
+    wide = llama + np.sqrt(0.7) * e[3]                           # a bound of 1.05: the ratio passes
+    refusal, _ = e2e.arithmetic_check("q8_0", outs(products), outs(llama), outs(floats), outs(wide),
+                                      outs(products + 1e-4 * e[7]))
+    assert refusal and "nearer float products" in refusal, refusal
+    # beyond 1.5 x the spread
+    far = llama + np.sqrt(1.4) * e[6]
+    refusal, _ = e2e.arithmetic_check("q8_0", outs(far), outs(llama), outs(floats), outs(variant),
+                                      outs(far + np.sqrt(0.9) * e[4]))
+    assert refusal and "not ggml's arithmetic" in refusal, refusal
+    # a reference that failed counts for nothing
+    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant),
+                                         {"error": "died"})
+    assert refusal and "rounding failed: died" in refusal, refusal
