@@ -216,9 +216,11 @@ void mg_k_concat(const mg_node *n, int ith, int nth) {
     const int t = d->type;
     int64_t r0, r1;
     mg_split(mg_nrows(d), ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t i[4];
-        mg_row_coords(d, r, &i[1], &i[2], &i[3]);
+    int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row: a decode step's rows are a
+                                       * few elements each, and two divisions per row cost more */
+    if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+    for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
+        int64_t i[4] = {0, i1, i2, i3};
         char *drow = mg_ptr(d, 0, i[1], i[2], i[3]);
         if (dim == 0 && mg_type_size(t) == 4 && d->nb[0] == 4) {
             /* 4-byte elements into a dense row, inline: the conv inputs of a decode step are many
