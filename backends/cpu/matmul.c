@@ -310,18 +310,6 @@ static inline __m128 vsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 #endif
 
 
-static __thread float *pk_buf;   /* per thread, grown on demand, never freed (pool threads persist) */
-static __thread size_t pk_cap;
-
-static float *pack_space(size_t floats) {
-    if (floats > pk_cap) {
-        free(pk_buf);
-        pk_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        pk_cap = pk_buf != NULL ? floats : 0;
-    }
-    return pk_buf;
-}
-
 /* rows [r0, r0 + R) of a row-major block (ld bytes apart), floats [k0, k0 + kk), as [nch][R][VW] */
 static inline __attribute__((always_inline)) void pack_rows(float *out, const char *base, int64_t ld, int64_t r0,
                                                             const int R, int64_t k0, int64_t kk, int64_t nch) {
@@ -468,7 +456,7 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const float *b
     const int64_t mblk = (M + PMB - 1) / PMB;
     const int64_t lda = a->nb[1], ldd = d->nb[1];
     const int64_t nchmax = (mg_min64(KB, K) + VW - 1) / VW;
-    float *Ap = pack_space((size_t)PMB * nchmax * VW + (size_t)PMB * PNS);
+    float *Ap = mg_thread_scratch(((size_t)PMB * nchmax * VW + (size_t)PMB * PNS) * sizeof(float));
     if (Ap == NULL) return 0;
     float *rb = Ap + (size_t)PMB * nchmax * VW;   /* r of the slab: [column][PMB], contiguous */
     for (int64_t job = j0; job < j1; job++) {

@@ -187,5 +187,10 @@ void mg_copy_rows_streaming(char *dst, int64_t rows, int64_t row_bytes, mg_row_s
                             int ith, int nth);
 /* convert (or copy) n elements between strided rows; dst/src strides in bytes */
 void mg_convert_row(char *dst, int64_t dnb, int dt, const char *src, int64_t snb, int st, int64_t n);
+/* this thread's scratch memory, at least `bytes`, 64-byte aligned, or NULL when it cannot be had
+ * (the kernel then takes a path without it): kept and grown on demand for the thread's life
+ * (the pool's threads persist), so a reused plan allocates nothing. One kernel call uses it at a
+ * time; what it held is gone at the next call (plan.c) */
+void *mg_thread_scratch(size_t bytes);
 
 #endif

@@ -602,3 +602,15 @@ int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
 
 uint16_t mg_f32_to_f16(float x) { return mg_fp32_to_fp16(x); }
 float mg_f16_to_f32(uint16_t h) { return mg_fp16_to_fp32(h); }
+
+static __thread void *scratch_buf;
+static __thread size_t scratch_cap;
+
+void *mg_thread_scratch(size_t bytes) {
+    if (bytes > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_cap = scratch_buf != NULL ? bytes : 0;
+    }
+    return scratch_buf;
+}

@@ -829,6 +829,10 @@ typedef struct {
 } panel_kind;
 static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
 static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
+/* the types with panels, and theirs */
+static const panel_kind *panels_of(int t) {
+    return t == MG_Q4_K ? &q4_K_panels : t == MG_Q8_0 ? &q8_0_panels : NULL;
+}
 
 /* weight rows [m0, m0 + 8 * whole panels) of one plane against all N converted rows; returns
  * the first row not done (the caller's one-row kernels take the rest) */
@@ -1393,11 +1397,10 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     int64_t j0, j1;
     mg_split(planes * mblk, ith, nth, &j0, &j1);
 #if MG_PANELS
-    /* one panel's memory per thread and call; without it the one-row kernels (the same bits) */
-    const panel_kind *pk = a->type == MG_Q4_K ? &q4_K_panels : a->type == MG_Q8_0 ? &q8_0_panels : NULL;
+    /* one panel in the thread's scratch; without it the one-row kernels (the same bits) */
+    const panel_kind *pk = panels_of(a->type);
     void *pan = NULL;
-    if (pk && N >= PANEL_MIN_N && K > 0 && j0 < j1)
-        pan = aligned_alloc(32, (size_t)(K / pk->block_values) * pk->panel_bytes);
+    if (pk && N >= PANEL_MIN_N && K > 0 && j0 < j1) pan = mg_thread_scratch((size_t)(K / pk->block_values) * pk->panel_bytes);
 #endif
     for (int64_t job = j0; job < j1; job++) {
         const int64_t mb = job % mblk, p = job / mblk;
@@ -1426,9 +1429,6 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             mg_store_f32(mg_ptr(d, i, 0, i2, i3), o[0]);
         }
     }
-#if MG_PANELS
-    free(pan);
-#endif
 }
 
 /* MUL_MAT:src1_to_dot_type: src[0] the f32 operand [K, N, b2, b3] (any strides), dst the work
@@ -1483,7 +1483,7 @@ int mg_quant_row_group(int t) {
     if (t == MG_Q8_0 || t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
 #endif
 #if MG_PANELS
-    if (t == MG_Q8_0 || t == MG_Q4_K) return 8;
+    if (panels_of(t)) return 8;
 #endif
     (void)t;
     return 1;
