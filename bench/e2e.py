@@ -778,11 +778,10 @@ def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs, 
     if ratio > bound:
         return (f"logits differ: NMSE {mine:.3g} is {ratio:.3g} x a dequantize-then-f32 model's (> {bound:.2g}; "
                 f"own spread: {said}): not ggml's arithmetic; no speed reported"), note
-    # float products convert no activations, so rounding does not carry them far (the f32 rows
-    # agree to TARGET): an engine of them sits next to the float model. Nearer it than llama.cpp
-    # condemns minigraph only while it is also nearer than rounding alone carries this model.
-    # (an engine of float products is carried nowhere by rounding: a spread below NMSE_TARGET
-    # excuses nothing)
+    # float products convert no activations, so rounding carries them nowhere (the f32 rows agree
+    # to TARGET): an engine of them sits next to the float model. Nearer it than llama.cpp
+    # condemns minigraph only while it is also nearer than rounding alone carries this model,
+    # and a rounding spread below NMSE_TARGET excuses nothing.
     rounding = spreads.get("rounding", 0.0)
     carried = rounding > NMSE_TARGET and to_float >= floats * rounding / SPREAD_SLACK
     if mine >= to_float and not carried:

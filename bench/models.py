@@ -62,6 +62,7 @@ from minigraph.backends.cpu import ffi as cpu_ffi, lib as cpu_lib   # noqa: E402
 from minigraph.models.runner import Runner                          # noqa: E402
 from minigraph.models.standalone import layer_built                 # noqa: E402
 from minigraph.models.zoo import make_model, recurrent_only         # noqa: E402
+from minigraph.testing.other_load import OtherLoad                  # noqa: E402
 
 bench_ops = _load_bench_ops()
 GgmlRunner, MgRunner, fmt, time_alternating = (bench_ops.GgmlRunner, bench_ops.MgRunner, bench_ops.fmt,
@@ -82,33 +83,6 @@ TARGET = {"decode": 1.0, "prefill": 1.0}   # minigraph/ggml at most: as fast as 
 N_SEQS, N_RS_SEQ = 2, 3
 VIEW_OPS = {"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"}
 BUSY = 0.25          # other processes using more cores than this make a row unreliable (marked *)
-
-
-def _busy_seconds():
-    """CPU seconds all processes spent busy since boot (/proc/stat, steal included); None where
-    unavailable."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")      # minus idle and iowait
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class OtherLoad:
-    """How many cores other processes kept busy while a measurement ran: the machine's busy CPU
-    time minus this process's own (all its threads), over the wall time. On a 2-core machine a
-    second busy process wrecks two-thread timings (a barrier waits out a scheduler slice)."""
-
-    def __init__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), time.process_time()
-
-    def cores(self):
-        busy = _busy_seconds()
-        if busy is None or self.busy0 is None:
-            return None
-        wall = time.perf_counter() - self.t0
-        return max(0.0, (busy - self.busy0 - (time.process_time() - self.own0)) / wall)
 
 
 def quietest(measure, retries, deadline=float("inf")):

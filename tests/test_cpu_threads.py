@@ -12,6 +12,7 @@ import pytest
 
 import minigraph as mg
 from minigraph.testing.op_cases import CASES, missing_types, run_built
+from minigraph.testing.other_load import OtherLoad
 from minigraph.tensor import Context
 
 cpu = pytest.importorskip("minigraph.backends.cpu")
@@ -312,7 +313,7 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
         pytest.skip(f"this process may use only CPU {cpus}: there is nowhere to move")
     want, be, gf, out = _chain_1t_2t(1000, 6, 390)       # run once: the workers exist, free to use every CPU
     before = _pool_stats()
-    busy0 = _cpu_jiffies(cpus[1:])
+    others = OtherLoad()
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpus[0]})                    # this thread only
     cpu.lib.mg_debug_worker_cpu(cpus[0])
@@ -329,25 +330,11 @@ def test_a_worker_woken_on_the_callers_cpu_moves_off_it_and_runs_chunks(split_ev
         cpu.lib.mg_debug_worker_cpu(-1)
         os.sched_setaffinity(0, own)
     if parallel == 0:       # no run took a worker at all: a bug, or the other CPUs were not free
-        busy, total = (y - x for x, y in zip(busy0, _cpu_jiffies(cpus[1:])))
-        if total and busy / total > 0.5:  # pragma: no cover - a loaded machine
-            pytest.skip(f"the other CPUs were {100 * busy / total:.0f}% busy during the runs (other processes): "
-                        f"no worker joined ({parallel} parallel runs, {moves} moves)")
+        busy = others.cores()
+        if busy is not None and busy > 0.5 * (len(cpus) - 1):  # pragma: no cover - a loaded machine
+            pytest.skip(f"other processes kept {busy:.1f} of the other {len(cpus) - 1} CPUs busy during the runs: "
+                        f"no worker joined")
     assert parallel >= 1 and moves >= 1 and worker_chunks >= 1, (parallel, worker_chunks, moves)
-
-
-def _cpu_jiffies(cpus) -> tuple:
-    """(busy, total) jiffies of these CPUs so far, from /proc/stat. Read where no run took a
-    worker: the caller is pinned elsewhere, so their busy time is other processes'."""
-    busy = total = 0
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *vals = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                v = [int(x) for x in vals]
-                total += sum(v[:8])
-                busy += sum(v[:8]) - v[3] - v[4]        # all but idle and iowait
-    return busy, total
 
 
 def test_a_long_run_that_starts_inside_a_backoff_takes_its_workers_after_it(split_everything):
