@@ -70,8 +70,9 @@ SHAPES = [
     (100, 67, (1, 1), (1, 1), "strided", "contig"),
     (129, 31, (2, 1), (4, 2), "contig", "strided"),
     (67, 9, (2, 3), (2, 3), "swapped", "strided"),
-    (1035, 11, (1, 1), (1, 1), "strided", "strided"),      # past the k block, a partial last chunk
-    (2061, 70, (1, 1), (1, 1), "contig", "contig"),        # two k blocks and a tail, two row blocks
+    (1035, 11, (1, 1), (1, 1), "strided", "strided"),      # past AVX-512's and the portable k block
+    (2061, 70, (1, 1), (1, 1), "contig", "contig"),        # past AVX2's k block (2048): a tail, two row blocks
+    (4133, 9, (1, 1), (1, 1), "contig", "strided"),        # three AVX2 k blocks, a partial last chunk
     (256, 129, (1, 1), (1, 1), "contig", "contig"),        # K a multiple of every vector width
 ]
 POOL = 9
@@ -160,6 +161,8 @@ PACKED_SHAPES = [
     (517, 67, 27, (2, 1), (4, 1), "contig", "strided"),
     (64, 9, 25, (2, 3), (2, 3), "swapped", "strided"),
     (77, 70, 530, (1, 1), (1, 1), "contig", "contig"),
+    (2100, 53, 31, (1, 1), (1, 1), "contig", "strided"),   # AVX2: two k blocks, a partial chunk, 3-column panel
+    (4100, 29, 26, (1, 1), (1, 2), "strided", "contig"),   # three k blocks, one partial tile of rows
 ]
 
 

@@ -16,7 +16,7 @@ import os
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["copy.c", "index.c", "elementwise.c", "reduce.c", "matmul.c", "ssm.c", "rope.c", "norm.c", "activation.c", "attention.c", "quant_codec.c", "quant_matmul.c", "plan.c"]
+SOURCES = ["copy.c", "index.c", "elementwise.c", "reduce.c", "matmul.c", "gemm_lanes.c", "ssm.c", "rope.c", "norm.c", "activation.c", "attention.c", "quant_codec.c", "quant_matmul.c", "plan.c"]
 
 # the cdef is the shared interface header itself (mg.h includes it too)
 with open(os.path.join(HERE, "mg_api.h")) as f:

@@ -19,6 +19,7 @@
  * made wide ubatches differ from single tokens. */
 #include <stdlib.h>
 
+#include "gemm_lanes.h"
 #include "mg.h"
 #include "quant.h"
 
@@ -83,19 +84,24 @@ static inline float vsum(vf v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 #define CG 3
 #endif
 #endif
-#define MB 64                    /* rows of a per job */
-#define NB (CG == 4 ? 64 : 63)   /* rows of b per job: whole column groups */
 #ifndef KB
-/* k block (a multiple of VW): a job's MB x KB block of a stays in L2. AVX-512 takes twice AVX2's:
- * with 16 lanes a block of 512 is only 32 fma steps per vsum, and the sums then cost a quarter
- * of the packed GEMM's time (measured 4096x4096x512 on a 2 MiB-L2 Xeon core: 1024 ~10% faster
- * than 512, 2048 slower) */
+/* k block (a multiple of VW): the summation order's block, and a direct job's MB x KB block of a
+ * stays in L2. AVX-512 takes twice AVX2's: with 16 lanes a block of 512 is only 32 fma steps per
+ * vsum, and the sums then cost a quarter of the packed GEMM's time (measured 4096x4096x512 on a
+ * 2 MiB-L2 Xeon core: 1024 ~10% faster than 512, 2048 slower). AVX2 builds take 2048: their
+ * packed GEMM (gemm_lanes.c) runs each lane chain as a loop of KB / 8 steps, and a loop of 64
+ * (KB 512) spends 13% of its time starting and ending (Zen 3: a 24x4 chain in L2 86% of the fma
+ * peak at 64 steps, 95% at 256) */
 #if defined(__AVX512F__)
 #define KB 1024
+#elif MG_GEMM_LANES
+#define KB 2048
 #else
 #define KB 512
 #endif
 #endif
+#define MB (KB >= 2048 ? 32 : 64)   /* rows of a per direct job: MB x KB floats of a (at most 256 KiB) reused from L2 */
+#define NB (CG == 4 ? 64 : 63)   /* rows of b per job: whole column groups */
 #define TR_MAX 8   /* rows of a per micro-tile */
 #define TC_MAX 4   /* rows of b per micro-tile */
 
@@ -256,6 +262,11 @@ static void rows_c1(ROWS_PARAMS) {
  * loads. AVX-512 runs 4 x 6 tiles (24 accumulators of 32 registers: 24 fmas for 10 loads) and
  * sums two rows x two columns per vsum4, as AVX2's 2 x 6 does. Without the packed copy of b
  * (none given, or no buffer for a) the jobs run the direct path. */
+#ifndef PACKED_MIN_N
+#define PACKED_MIN_N 24   /* fewer columns: packing a costs more than it saves (measured crossover 24-32) */
+#endif
+
+#if !MG_GEMM_LANES   /* AVX2 builds: gemm_lanes.c */
 /* keep a loaded vector in a register: left alone, the compiler folds the load into each fma
  * that uses it (R loads of the same b per k step instead of one) and the loop is load-bound */
 #if defined(__GNUC__) && (defined(__AVX2__) || defined(__AVX512F__))
@@ -304,9 +315,6 @@ static inline __m128 vsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
  * its last k block (dst's columns are M floats apart: all in a few cache sets) */
 #ifndef PNS
 #define PNS 512
-#endif
-#ifndef PACKED_MIN_N
-#define PACKED_MIN_N 24   /* fewer columns: packing a costs more than it saves (measured crossover 24-32) */
 #endif
 
 
@@ -494,6 +502,7 @@ static int mul_mat_packed(const mg_tensor *a, const mg_tensor *b, const float *b
     }
     return 1;
 }
+#endif
 
 /* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense */
 /* rows [m0, m1) x columns [n0, n1) of plane p, straight from a and b */
@@ -576,7 +585,11 @@ int64_t mg_mul_mat_pack_floats(const mg_node *n) {
     merge_planes(&n->src[0], &b, &d);
     if (!takes_packed_path(&n->src[0], &b)) return 0;
     const int64_t K = n->src[0].ne[0];
+#if MG_GEMM_LANES
+    return b.ne[2] * b.ne[3] * mg_lanes_packed_floats(K, b.ne[1], KB);
+#else
     return b.ne[2] * b.ne[3] * ((K + KB - 1) / KB) * packed_block_floats(K, b.ne[1]);
+#endif
 }
 
 /* MUL_MAT:pack_src1: src[0] = a, src[1] = b, src[2] = the MUL_MAT's dst (their shapes decide,
@@ -589,6 +602,11 @@ static void mg_k_mul_mat_pack_src1(const mg_node *n, int ith, int nth) {
     mg_tensor b = n->src[1], d = n->src[2];
     merge_planes(a, &b, &d);
     if (!takes_packed_path(a, &b)) return;
+#if MG_GEMM_LANES
+    int64_t q0, q1;
+    mg_split(b.ne[2] * b.ne[3] * mg_lanes_panels(b.ne[1]), ith, nth, &q0, &q1);
+    mg_lanes_pack_b(&b, (float *)n->dst.data, KB, q0, q1);
+#else
     const int64_t K = a->ne[0], N = b.ne[1];
     const int64_t per_slab = (PNS + PC - 1) / PC, panels = N / PNS * per_slab + (N % PNS + PC - 1) / PC;
     int64_t q0, q1;
@@ -604,6 +622,7 @@ static void mg_k_mul_mat_pack_src1(const mg_node *n, int ith, int nth) {
                        nch);
         }
     }
+#endif
 }
 
 /* a = src[0] [K, M, a2, a3], b = src[1] [K, N, b2, b3], dst [M, N, b2, b3] f32, rows dense;
@@ -618,15 +637,24 @@ void mg_k_mul_mat(const mg_node *n, int ith, int nth) {
     const int64_t M = a->ne[1], N = b->ne[1];
     const int64_t planes = b->ne[2] * b->ne[3];
     int64_t j0, j1;
-    if (takes_packed_path(a, b)) {   /* jobs: (plane, block of PMB rows) x every column */
-        const int64_t mblk = (M + PMB - 1) / PMB;
+    if (takes_packed_path(a, b)) {   /* jobs: (plane, block of rows) x every column */
+#if MG_GEMM_LANES
+        const int64_t rows = mg_lanes_row_block();
+#else
+        const int64_t rows = PMB;
+#endif
+        const int64_t mblk = (M + rows - 1) / rows;
         mg_split(planes * mblk, ith, nth, &j0, &j1);
         const float *bk = (const float *)n->src[2].data;
+#if MG_GEMM_LANES
+        if (bk != NULL && mg_lanes_gemm(a, b, bk, d, KB, j0, j1)) return;
+#else
         if (bk != NULL && mul_mat_packed(a, b, bk, d, j0, j1)) return;
+#endif
         for (int64_t job = j0; job < j1; job++) {   /* no packed copy: the same jobs, directly */
-            const int64_t m0 = job % mblk * PMB;
+            const int64_t m0 = job % mblk * rows;
             for (int64_t n0 = 0; n0 < N; n0 += NB)
-                direct_block(a, b, d, job / mblk, m0, mg_min64(m0 + PMB, M), n0, mg_min64(n0 + NB, N));
+                direct_block(a, b, d, job / mblk, m0, mg_min64(m0 + rows, M), n0, mg_min64(n0 + NB, N));
         }
         return;
     }
