@@ -260,8 +260,11 @@ static void rows_c1(ROWS_PARAMS) {
  * zero-padded on both sides: the same fma as the direct path's masked loads. PR x PC = 2 x 6
  * holds 12 accumulators + 2 + 1 vectors in AVX2's 16 registers; each k step is 12 fmas for 8
  * loads. AVX-512 runs 4 x 6 tiles (24 accumulators of 32 registers: 24 fmas for 10 loads) and
- * sums two rows x two columns per vsum4, as AVX2's 2 x 6 does. Without the packed copy of b
- * (none given, or no buffer for a) the jobs run the direct path. */
+ * sums two rows x two columns per vsum4, as 2 x 6 does. AVX2 builds run gemm_lanes.c instead:
+ * the same chains one lane at a time with b broadcast (measured there: 2 x 6 here reached
+ * 0.90-0.94 of OpenBLAS, 24 x 4 chains 0.98-1.01); this path serves AVX-512 and portable
+ * builds. Without the packed copy of b (none given, or no buffer for a) the jobs run the direct
+ * path. */
 #ifndef PACKED_MIN_N
 #define PACKED_MIN_N 24   /* fewer columns: packing a costs more than it saves (measured crossover 24-32) */
 #endif
@@ -300,7 +303,7 @@ static inline __m128 vsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 #else
 #define VSUM4 0
 #endif
-/* PR x PC micro-tiles: 2 x 6 in AVX2's 16 registers (12 accumulators), 4 x 6 in AVX-512's 32
+/* PR x PC micro-tiles: 2 x 6 in 16 registers (12 accumulators), 4 x 6 in AVX-512's 32
  * (24 accumulators + 4 rows of a + 1 of b: twice the fmas per load of b) */
 #if defined(__AVX512F__)
 #define PR 4
