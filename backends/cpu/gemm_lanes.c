@@ -21,6 +21,7 @@
  * [step][4] (zero past N and past K). a's packed copy (per job and k block, thread scratch):
  * per chain l, per tile of 24 rows, [step][24] (zero past the job's rows and past K). */
 #include "gemm_lanes.h"
+#include "simd_transpose.h"
 
 #if MG_GEMM_LANES
 #include <immintrin.h>
@@ -75,17 +76,12 @@ void mg_lanes_pack_b(const mg_tensor *b, float *out, int64_t kb, int64_t q0, int
             float *o[8];
             for (int l = 0; l < 8; l++) o[l] = (float *)chain_panel(out, K, N, kb, p, k0, l, qi);
             for (int64_t t = 0; t < ns; t++) {
-                __m256 v[NR];
+                __m256 v[8];
                 for (int c = 0; c < NR; c++) v[c] = col[c] ? load_part(col[c] + k0 + 8 * t, kk - 8 * t) : _mm256_setzero_ps();
-                /* 4 columns x 8 k -> per k, the 4 columns: u0 = [k0 | k4], u1 = [k1 | k5], ... */
-                const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-                const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-                const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                                     _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
-                for (int l = 0; l < 4; l++) {
-                    _mm_storeu_ps(o[l] + t * NR, _mm256_castps256_ps128(u[l]));
-                    _mm_storeu_ps(o[l + 4] + t * NR, _mm256_extractf128_ps(u[l], 1));
-                }
+                /* 4 columns x 8 k -> per k, the 4 columns (rows 4..7 of the transpose stay zero) */
+                for (int c = NR; c < 8; c++) v[c] = _mm256_setzero_ps();
+                mg_transpose8x8_ps(v);
+                for (int l = 0; l < 8; l++) _mm_storeu_ps(o[l] + t * NR, _mm256_castps256_ps128(v[l]));
             }
         }
     }
@@ -105,19 +101,8 @@ static void pack_a(float *out, const char *ap, int64_t lda, int64_t m0, int64_t 
             for (int64_t t = 0; t < ns; t++) {
                 __m256 v[8];
                 for (int r = 0; r < 8; r++) v[r] = row[r] ? load_part(row[r] + 8 * t, kk - 8 * t) : _mm256_setzero_ps();
-                const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-                const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-                const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
-                const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
-                const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-                const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-                const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-                const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                const __m256 w[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                                     _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                                     _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                                     _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
-                for (int l = 0; l < 8; l++) _mm256_storeu_ps(out + ((l * ntile + ti) * ns + t) * MR + g * 8, w[l]);
+                mg_transpose8x8_ps(v);
+                for (int l = 0; l < 8; l++) _mm256_storeu_ps(out + ((l * ntile + ti) * ns + t) * MR + g * 8, v[l]);
             }
         }
 }

@@ -28,6 +28,7 @@
  * independent chains, and a src1 row is converted on its own. */
 #include <stdlib.h>
 #include "quant.h"
+#include "simd_transpose.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MG_QAVX2 1
@@ -317,33 +318,11 @@ static inline __attribute__((always_inline)) void dot_q4_K(int64_t nb, const cha
 }
 
 #if MG_QAVX2
-/* v[r] (8 dwords of row r) -> v[k] (dword k of rows 0..7) */
-static inline __attribute__((always_inline)) void transpose8x8_epi32(__m256i v[8]) {
-    __m256i t[8], u[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < 2; h++) {   /* rows 4h..4h+3 */
-        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
-#pragma GCC unroll 8
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
-        v[k + 4] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
-    }
-}
-
 /* v[k] = dword k of the 32 bytes at p[r] + off, for the 8 rows r (lane r) */
 static inline __attribute__((always_inline)) void load_rows_transposed(const char *const p[8], size_t off, __m256i v[8]) {
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(p[r] + off));
-    transpose8x8_epi32(v);
+    mg_transpose8x8_epi32(v);
 }
 
 /* acc[c] (lane r: weight row r) to out[r * C + c] */
