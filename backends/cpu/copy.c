@@ -5,6 +5,7 @@
 #endif
 #include "mg.h"
 #include "quant.h"
+#include "simd_transpose.h"
 
 #define CONV_LOOP(DT, ST, EXPR)                                                      \
     do {                                                                             \
@@ -89,7 +90,26 @@ static void transpose_plane(char *dst, int64_t dnb1, const char *src, int64_t sn
         for (int64_t k0 = 0; k0 < ne0; k0 += B) {
             int64_t k1 = mg_min64(k0 + B, ne0);
             if (es == 4) {
-                for (int64_t j = j0; j < j1; j++) {
+                int64_t j = j0;
+#if defined(__AVX2__)
+                /* 8x8 tiles through registers: 8 loads of 8 source elements (dense along dim 1),
+                 * 8 stores of 8 destination elements, instead of 64 single moves */
+                for (; j + 8 <= j1; j += 8) {
+                    int64_t k = k0;
+                    for (; k + 8 <= k1; k += 8) {
+                        __m256i v[8];
+                        for (int r = 0; r < 8; r++)
+                            v[r] = _mm256_loadu_si256((const __m256i *)(src + (k + r) * snb0 + j * 4));
+                        mg_transpose8x8_epi32(v);
+                        for (int r = 0; r < 8; r++)
+                            _mm256_storeu_si256((__m256i *)(dst + (j + r) * dnb1 + k * 4), v[r]);
+                    }
+                    for (int64_t jj = j; jj < j + 8; jj++)        /* the block's last k (< 8) */
+                        for (int64_t kk = k; kk < k1; kk++)
+                            memcpy(dst + jj * dnb1 + kk * 4, src + kk * snb0 + jj * 4, 4);
+                }
+#endif
+                for (; j < j1; j++) {
                     uint32_t *d = (uint32_t *)(dst + j * dnb1);
                     for (int64_t k = k0; k < k1; k++) memcpy(&d[k], src + k * snb0 + j * 4, 4);
                 }
@@ -100,6 +120,18 @@ static void transpose_plane(char *dst, int64_t dnb1, const char *src, int64_t sn
             }
         }
     }
+}
+
+/* n 4-byte elements at stride snb into a dense run, inline: the rows a decode step moves are often
+ * a few elements each (a conv layer's d_conv - 1 columns of history per channel, thousands of
+ * channels), where a call per row, or per element, costs more than the copy */
+static inline void copy_row4(char *restrict dst, const char *restrict src, int64_t snb, int64_t n) {
+    if (snb == 4 && n > 16) {
+        memcpy(dst, src, (size_t)(n * 4));
+        return;
+    }
+    for (int64_t k = 0; k < n; k++)
+        memcpy(dst + k * 4, src + k * snb, 4);
 }
 
 /* CPY / CONT: src[0] a (any strides) -> dst (any strides), same element count, copied in
@@ -166,10 +198,47 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
         }
         return;
     }
-    /* general: walk the source rows; the destination coordinates follow the flat index */
     int64_t r0, r1;
     mg_split(mg_nrows(a), ith, nth, &r0, &r1);
     if (r0 >= r1) return;
+    if (st == dt && mg_type_size(st) == 4 && d->nb[0] == 4) {
+        /* same 4-byte type into dense destination rows, each source row inside one of them (a conv
+         * layer's history store: rows of d_conv - 1 elements, one per channel, into a cache row or
+         * a contiguous tensor): inline copies, pointers stepped, the shapes read once (the rows'
+         * byte stores could alias them) */
+        const mg_tensor ta = *a, td = *d;
+        const int64_t ne00 = ta.ne[0], snb0 = ta.nb[0];
+        const int flat = mg_is_contiguous(&td);
+        const int64_t L = flat ? nel : td.ne[0];     /* elements per dense destination row */
+        if (ne00 > 0 && L % ne00 == 0) {
+            int64_t q = r0 * ne00 / L, c0 = r0 * ne00 % L, c1 = 0, c2 = 0, c3 = 0;
+            if (!flat) { c1 = q % td.ne[1]; q /= td.ne[1]; c2 = q % td.ne[2]; c3 = q / td.ne[2]; }
+            char *dp = flat ? td.data + r0 * ne00 * 4 : mg_ptr(&td, c0, c1, c2, c3);
+            int64_t i1 = 0, i2 = 0, i3 = 0;
+            mg_row_coords(&ta, r0, &i1, &i2, &i3);
+            for (int64_t r = r0; r < r1;) {   /* runs of rows along dim 1: the source steps by nb[1] */
+                const int64_t run = mg_min64(r1 - r, ta.ne[1] - i1);
+                const char *sp = mg_ptr(&ta, 0, i1, i2, i3);
+                for (int64_t k = 0; k < run; k++, sp += ta.nb[1]) {
+                    copy_row4(dp, sp, snb0, ne00);
+                    dp += ne00 * 4;
+                    if ((c0 += ne00) == L && !flat) {   /* the next destination row */
+                        c0 = 0;
+                        if (++c1 == td.ne[1]) {
+                            c1 = 0;
+                            if (++c2 == td.ne[2]) { c2 = 0; ++c3; }
+                        }
+                        dp = mg_ptr(&td, 0, c1, c2, c3);
+                    }
+                }
+                r += run;
+                i1 = ta.ne[1] - 1;   /* the run's last row: step to the next plane's first */
+                mg_row_next(&ta, &i1, &i2, &i3);
+            }
+            return;
+        }
+    }
+    /* general: walk the source rows; the destination coordinates follow the flat index */
     const int64_t ne00 = a->ne[0];
     int64_t flat = r0 * ne00;
     int64_t c0 = flat % d->ne[0], q = flat / d->ne[0];
@@ -199,15 +268,6 @@ void mg_k_cpy(const mg_node *n, int ith, int nth) {
 }
 
 /* CONCAT along ip[0]: a [ne00..] and b [ne10..], any strides, same type -> dst contiguous */
-static inline void concat_row4(char *restrict dst, const char *restrict src, int64_t snb, int64_t n) {
-    if (snb == 4 && n > 16) {
-        memcpy(dst, src, (size_t)(n * 4));
-        return;
-    }
-    for (int64_t k = 0; k < n; k++)
-        memcpy(dst + k * 4, src + k * snb, 4);
-}
-
 void mg_k_concat(const mg_node *n, int ith, int nth) {
     const mg_tensor *a = &n->src[0];
     const mg_tensor *b = &n->src[1];
@@ -219,15 +279,29 @@ void mg_k_concat(const mg_node *n, int ith, int nth) {
     int64_t i1 = 0, i2 = 0, i3 = 0;   /* row coordinates, moved row by row: a decode step's rows are a
                                        * few elements each, and two divisions per row cost more */
     if (r0 < r1) mg_row_coords(d, r0, &i1, &i2, &i3);
+    if (dim == 0 && mg_type_size(t) == 4 && d->nb[0] == 4) {
+        /* 4-byte elements into a dense row, inline: the conv inputs of a decode step are many
+         * rows of a few elements (d_conv - 1 of history + 1), where a call per row dominated.
+         * The shapes and strides are read once: the rows' byte stores could alias them */
+        const mg_tensor ta = *a, tb = *b, td = *d;
+        for (int64_t r = r0; r < r1;) {   /* runs of rows along dim 1: pointers step by nb[1] */
+            const int64_t run = mg_min64(r1 - r, td.ne[1] - i1);
+            char *pd = mg_ptr(&td, 0, i1, i2, i3);
+            const char *pa = mg_ptr(&ta, 0, i1, i2, i3), *pb = mg_ptr(&tb, 0, i1, i2, i3);
+            for (int64_t k = 0; k < run; k++, pd += td.nb[1], pa += ta.nb[1], pb += tb.nb[1]) {
+                copy_row4(pd, pa, ta.nb[0], ta.ne[0]);
+                copy_row4(pd + ta.ne[0] * 4, pb, tb.nb[0], tb.ne[0]);
+            }
+            r += run;
+            i1 = td.ne[1] - 1;   /* the run's last row: step to the next plane's first */
+            mg_row_next(&td, &i1, &i2, &i3);
+        }
+        return;
+    }
     for (int64_t r = r0; r < r1; r++, mg_row_next(d, &i1, &i2, &i3)) {
         int64_t i[4] = {0, i1, i2, i3};
         char *drow = mg_ptr(d, 0, i[1], i[2], i[3]);
-        if (dim == 0 && mg_type_size(t) == 4 && d->nb[0] == 4) {
-            /* 4-byte elements into a dense row, inline: the conv inputs of a decode step are many
-             * rows of a few elements (d_conv - 1 of history + 1), where a call per row dominated */
-            concat_row4(drow, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], a->ne[0]);
-            concat_row4(drow + a->ne[0] * 4, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], b->ne[0]);
-        } else if (dim == 0) {
+        if (dim == 0) {
             mg_convert_row(drow, d->nb[0], t, mg_ptr(a, 0, i[1], i[2], i[3]), a->nb[0], t, a->ne[0]);
             mg_convert_row(drow + a->ne[0] * d->nb[0], d->nb[0], t, mg_ptr(b, 0, i[1], i[2], i[3]), b->nb[0], t, b->ne[0]);
         } else if (i[dim] < a->ne[dim]) {

@@ -163,6 +163,16 @@ def _(rng):
     return b
 
 
+@case("CONT", "transpose_tiles", exact=True)
+def _(rng):
+    """A transpose wide enough for whole 8x8 tiles and their partial edges (the small random
+    shapes above rarely reach one)."""
+    b = Built(Context())
+    x = b.leaf(f32, (int(rng.integers(9, 41)), int(rng.integers(9, 41)), int(rng.integers(1, 3))), rng=rng)
+    b.out(mg.cont(mg.transpose(x)))
+    return b
+
+
 @case("TRANSPOSE", "transpose", exact=True)
 def _(rng):
     b = Built(Context())
@@ -211,6 +221,21 @@ def _(rng):
     dst = b.leaf(f16, (6, 5), rng=rng)
     b.out(mg.cpy(src, mg.view_2d(dst, 4, 3, dst.nb[1], 2 * 2)))
     b.out(dst)
+    return b
+
+
+@case("CPY", "rows_into_wider_rows", exact=True)
+def _(rng):
+    """Source rows of a few elements (a window of each channel's columns) into the dense rows of
+    a wider tensor, several source rows to each: the conv history store's shape."""
+    b = Built(Context())
+    n_cols, ch, n_seqs = int(rng.integers(1, 5)), int(rng.integers(2, 40)), int(rng.integers(1, 5))
+    x = b.leaf(f32, (n_cols + 2, ch, n_seqs), rng=rng)
+    s = b.leaf(f32, (3 * n_cols * ch, n_seqs + 1), rng=rng)
+    window = mg.view_3d(x, n_cols, ch, n_seqs, x.nb[1], x.nb[2], 2 * 4)
+    cells = mg.view_2d(s, n_cols * ch, n_seqs, s.nb[1], s.nb[1] + n_cols * ch * 4)
+    b.out(mg.cpy(window, cells))
+    b.out(s)
     return b
 
 
