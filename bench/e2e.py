@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -885,7 +886,7 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
     t_start = time.perf_counter()
-    say(f"# {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
+    say(f"# {results.cpu_name()}, {os.cpu_count()} cores, {platform.python_implementation()} "
         f"{platform.python_version()}, llama-cpp-python {lo.VERSION}, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"load avg at start {loadavg()}")
     say(f"# {'/'.join(t.upper() for t in ftypes)} weights, F32 caches, n_vocab {64 if args.quick else N_VOCAB}, outputs: last token per sequence, "
@@ -1015,9 +1016,25 @@ def print_profile(say, name, phase, nt, res):
     say(f"    {'sum':18s} {sum(mo.values()) * 1e3:10.3f} {sum(lo_.values()) * 1e3:10.3f}")
 
 
+SECTION_KEY = re.compile(r"<!-- bench/e2e\.py --write \(([^)]*)\): begin")
+
+
+def section_cover(key: str) -> tuple:
+    """(models, file types, ttft) of the run that wrote the section keyed ' (models, ftypes, ttft)'
+    (write_results: a run of f32 alone names no file type)."""
+    tags = [t.strip() for t in key.split(", ") if t.strip()]
+    models = set(tags[0].split(",")) if tags else set()
+    rest = tags[1:]
+    ttft = "ttft" in rest
+    ftypes = [t for t in rest if t != "ttft"]
+    return models, set(ftypes[0].split(",")) if ftypes else {"f32"}, ttft
+
+
 def write_results(text: str, args, path=results.RESULTS):
     """Replace this script's section for these models of bench/RESULTS.md (between the markers),
-    or append it: runs of other model sets keep their own sections."""
+    or append it: runs of other model sets keep their own sections. A run of every phase at 1
+    and 2 threads also takes out the sections of earlier runs it measured again in full (their
+    models and file types among its own, the same kind of run): their rows are in its table."""
     # the model set in MODELS order: the same set given in another order rewrites the same section
     given = set(getattr(args, "models", "").split(","))
     tags = [",".join([m for m in MODELS if m in given] + sorted(given - set(MODELS) - {""}))]
@@ -1025,6 +1042,16 @@ def write_results(text: str, args, path=results.RESULTS):
     tags += ["ttft"] if getattr(args, "ttft", False) else []
     key = f" ({', '.join(t for t in tags if t)})" if any(tags) else ""
     begin, end = results.markers(f"bench/e2e.py --write{key}")
+    phases = set(str(getattr(args, "phases", "")).split(","))
+    threads = set(str(getattr(args, "threads", "")).split(","))
+    if any(tags) and phases >= set(PHASES) and threads >= {"1", "2"} and os.path.exists(path):
+        mine = section_cover(", ".join(t for t in tags if t))
+        with open(path) as f:
+            keys = SECTION_KEY.findall(f.read())
+        for old in keys:
+            models, ftypes, ttft = section_cover(old)
+            if f" ({old})" != key and ttft == mine[2] and models <= mine[0] and ftypes <= mine[1]:
+                results.remove_section(*results.markers(f"bench/e2e.py --write ({old})"), path)
     cmd = "python bench/e2e.py " + " ".join(a for a in sys.argv[1:])
     results.replace_section(begin, end, f"# Whole models against llama.cpp on the same GGUF files (bench/e2e.py{key})\n\n"
                             f"`{cmd.strip()}` at commit {results.commit()}\n\n```\n{text.strip()}\n```", path)

@@ -305,7 +305,7 @@ def run(args):
         reps, steps, min_time, layer_reps, prefill_T = 5, {"prefill": 5, "decode": 20}, 0.03, 9, (32,)
     else:
         reps, steps, min_time, layer_reps, prefill_T = 9, {"prefill": 12, "decode": 60}, 0.05, 21, (32, 64)
-    print(f"# {platform.machine()} {os.cpu_count()} cores, {platform.python_implementation()} "
+    print(f"# {results.cpu_name()}, {os.cpu_count()} cores, {platform.python_implementation()} "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}")
 
     print(f"\n## whole models on cpu: {N_SEQS} seqs, prefill {N_SEQS}x32 tokens/step (n_ubatch 64), "

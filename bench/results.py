@@ -19,6 +19,19 @@ def markers(tag: str) -> tuple[str, str]:
     return (f"<!-- {tag}: begin (this section is rewritten by the script) -->", f"<!-- {tag}: end -->")
 
 
+def remove_section(begin: str, end: str, path: str = RESULTS):
+    """Take the section between begin and end (and the blank line after it) out of the file."""
+    with open(path) as f:
+        doc = f.read()
+    if begin in doc and end in doc:
+        a = doc.index(begin)
+        b = doc.index(end) + len(end)
+        b += doc[b:b + 1] == "\n"
+        b += doc[b:b + 1] == "\n" and (a == 0 or doc[a - 1:a] == "\n")
+        with open(path, "w") as f:
+            f.write(doc[:a] + doc[b:])
+
+
 def replace_section(begin: str, end: str, text: str, path: str = RESULTS, before: str | None = None):
     """Put text between begin and end in the file at path: in place of that section when it is
     there, else just before the line `before` (when given and present), else at the end."""
@@ -50,10 +63,10 @@ def commit() -> str:
         return "?"
 
 
-def machine_line() -> str:
-    """'Machine: <CPU model> (<widest SIMD>), <n> cores, load average a, b, c'. The SIMD level is
-    named because the C kernels are built for the host (-march=native) and take other paths on
-    AVX-512 than on AVX2: two machines with the same model name can run different code."""
+def cpu_name() -> str:
+    """'<CPU model> (<widest SIMD>)'. The SIMD level is named because the C kernels are built for
+    the host (-march=native) and take other paths on AVX-512 than on AVX2: two machines with the
+    same model name can run different code."""
     model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -65,7 +78,12 @@ def machine_line() -> str:
     except OSError:
         pass
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2" if flags else "SIMD unknown"
-    model = f"{model} ({simd})"
+    return f"{model} ({simd})"
+
+
+def machine_line() -> str:
+    """'Machine: <CPU model> (<widest SIMD>), <n> cores, load average a, b, c' (see cpu_name)."""
+    model = cpu_name()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover

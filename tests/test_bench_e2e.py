@@ -127,6 +127,34 @@ def test_write_sections_by_file_type_and_ttft(e2e, tmp_path):
         assert text in doc[doc.index(begin):doc.index(end)]
 
 
+def test_a_full_run_takes_out_the_sections_it_measured_again(e2e, tmp_path):
+    """A run of every phase at 1 and 2 threads replaces the sections of earlier runs whose models
+    and file types it covers (same kind of run); a partial run, another kind (ttft) and sections
+    with models or types it did not run are kept."""
+    p = tmp_path / "RESULTS.md"
+    p.write_text("# Results\n")
+
+    class Args:
+        models, ftype, ttft, phases, threads = "lfm2", "q8_0,q4_k_m", False, ",".join(e2e.PHASES), "1,2"
+    e2e.write_results("old lfm2 quantized", Args(), str(p))
+    Args.models, Args.ftype = "mamba2,qwen35", "f32"
+    e2e.write_results("old f32 pair", Args(), str(p))
+    Args.models, Args.ftype = "kimi", "bf16"
+    e2e.write_results("old kimi bf16", Args(), str(p))
+    Args.models, Args.ftype, Args.ttft = "lfm2", "f32", True
+    e2e.write_results("old ttft", Args(), str(p))
+    Args.models, Args.ftype, Args.ttft, Args.phases = "mamba2,lfm2,qwen35,kimi", "f32,q8_0,q4_k_m", False, "decode1"
+    e2e.write_results("partial run", Args(), str(p))
+    doc = p.read_text()
+    assert all(t in doc for t in ("old lfm2 quantized", "old f32 pair", "old kimi bf16", "old ttft", "partial run"))
+    Args.phases = ",".join(e2e.PHASES)
+    e2e.write_results("full run", Args(), str(p))
+    doc = p.read_text()
+    assert "full run" in doc and "old kimi bf16" in doc and "old ttft" in doc, doc
+    assert "old lfm2 quantized" not in doc and "old f32 pair" not in doc, doc
+    assert "\n\n\n\n" not in doc and doc.startswith("# Results\n"), doc
+
+
 def test_a_worker_peak_rss_is_its_own_not_its_parents(tmp_path):
     """The RSS column is each engine worker's peak: a worker started by a parent holding 400 MB
     must not report those 400 MB (ru_maxrss does on Linux: it survives fork and exec)."""
