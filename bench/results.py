@@ -49,7 +49,7 @@ def replace_section(begin: str, end: str, text: str, path: str = RESULTS, before
         i = doc.index(f"\n{before}") + 1
         doc = doc[:i] + block + "\n" + doc[i:]
     else:
-        doc = doc + ("\n" if doc and not doc.endswith("\n") else "") + "\n" + block
+        doc = (doc.rstrip("\n") + "\n\n" if doc.strip() else "") + block
     with open(path, "w") as f:
         f.write(doc)
 
