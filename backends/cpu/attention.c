@@ -40,7 +40,7 @@ static void mg_k_flash_attn_ext(const mg_node *n, int ith, int nth) {
     const mg_tensor *q = &n->src[0], *k = &n->src[1], *v = &n->src[2], *m = &n->src[3], *d = &n->dst;
     const float cap = n->fp[2], max_bias = n->fp[1];
     const float scale = cap != 0.0f ? n->fp[0] / cap : n->fp[0];
-    const int64_t n_q = q->ne[1], n_head = q->ne[2], n_kv = k->ne[1], dv = v->ne[0];
+    const int64_t n_head = q->ne[2], n_kv = k->ne[1], dv = v->ne[0];
     double *acc = malloc((size_t)(dv > 0 ? dv : 1) * sizeof(double));
     if (!acc) return;   /* no memory: the output is left unwritten (never reached in practice) */
     int64_t r0, r1;
