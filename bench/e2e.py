@@ -1045,7 +1045,7 @@ def write_results(text: str, args, path=results.RESULTS):
     phases = set(str(getattr(args, "phases", "")).split(","))
     threads = set(str(getattr(args, "threads", "")).split(","))
     if any(tags) and phases >= set(PHASES) and threads >= {"1", "2"} and os.path.exists(path):
-        mine = section_cover(", ".join(t for t in tags if t))
+        mine = section_cover(key[2:-1])          # what this run covers, read as a section's key is
         with open(path) as f:
             keys = SECTION_KEY.findall(f.read())
         for old in keys:

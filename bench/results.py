@@ -19,15 +19,23 @@ def markers(tag: str) -> tuple[str, str]:
     return (f"<!-- {tag}: begin (this section is rewritten by the script) -->", f"<!-- {tag}: end -->")
 
 
+def _span(doc: str, begin: str, end: str):
+    """(start, stop) of the section between begin and end in doc, its line end included; None
+    when it is not there."""
+    if begin not in doc or end not in doc:
+        return None
+    b = doc.index(end) + len(end)
+    return doc.index(begin), b + (doc[b:b + 1] == "\n")
+
+
 def remove_section(begin: str, end: str, path: str = RESULTS):
     """Take the section between begin and end (and the blank line after it) out of the file."""
     with open(path) as f:
         doc = f.read()
-    if begin in doc and end in doc:
-        a = doc.index(begin)
-        b = doc.index(end) + len(end)
-        b += doc[b:b + 1] == "\n"
-        b += doc[b:b + 1] == "\n" and (a == 0 or doc[a - 1:a] == "\n")
+    span = _span(doc, begin, end)
+    if span is not None:
+        a, b = span
+        b += doc[b:b + 1] == "\n" and (a == 0 or doc[a - 1:a] == "\n")   # and the blank line after
         with open(path, "w") as f:
             f.write(doc[:a] + doc[b:])
 
@@ -41,10 +49,9 @@ def replace_section(begin: str, end: str, text: str, path: str = RESULTS, before
             doc = f.read()
     except FileNotFoundError:
         doc = ""
-    if begin in doc and end in doc:
-        a = doc.index(begin)
-        b = doc.index(end) + len(end)
-        doc = doc[:a] + block + doc[b + (doc[b:b + 1] == "\n"):]
+    span = _span(doc, begin, end)
+    if span is not None:
+        doc = doc[:span[0]] + block + doc[span[1]:]
     elif before is not None and f"\n{before}" in doc:
         i = doc.index(f"\n{before}") + 1
         doc = doc[:i] + block + "\n" + doc[i:]
