@@ -131,9 +131,22 @@ class Backend:
     def fill_guards(self, buf: Buffer, plan):
         raise NotImplementedError
 
+    def rerun_of(self, gf):
+        """A callable that runs gf's nodes again exactly as the compute just made did (its plan,
+        memory and records), or None: graph_compute's fast path while nothing was re-bound and
+        no output flagged since."""
+        return None
+
     def graph_compute(self, gf) -> int:
         """Allocate intermediates (once per graph) and run every node; returns the compute
         buffer's size in bytes."""
+        fast = gf.cache.get(("rerun", self.name))
+        if fast is not None and fast[0] == bind_epoch() and fast[1] == output_epoch():
+            # the same graph again with nothing re-bound and no new output: the checks, the
+            # memory plan and the records below would all come out as they did (~1.5 us saved)
+            fast[2]()
+            self.last_compute_buffer_size = fast[3]
+            return fast[3]
         checked = ("checked", self.name)
         if checked not in gf.cache:          # once per graph: leaves never lose their memory
             for leaf in gf.leafs:
@@ -152,6 +165,9 @@ class Backend:
         with reading({}):                    # one device: every node reads its own srcs
             plan = self.prepare(gf, gf.nodes)
             self.compute_nodes(gf.nodes, gf.cache)
+        rerun = self.rerun_of(gf)
+        if rerun is not None:
+            gf.cache[("rerun", self.name)] = (bind_epoch(), output_epoch(), rerun, plan.size)
         self.last_compute_buffer_size = plan.size
         return plan.size
 

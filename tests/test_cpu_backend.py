@@ -176,6 +176,41 @@ def test_plan_is_built_once_and_reused_with_new_inputs():
     assert be.plans_built == 2
 
 
+def test_a_graph_computed_again_takes_the_fast_path_until_memory_or_outputs_change():
+    """graph_compute's fast path reruns the last records; a re-bound tensor or a newly flagged
+    output sends it through the full path again, and an error on it reads as on the full path."""
+    be = cpu.CpuBackend(14)
+    ctx = Context()
+    a = ctx.new_tensor_2d(mg.f32, 4, 3)
+    ids = ctx.new_tensor_1d(mg.i32, 2).set_name("ids")
+    y = mg.scale(mg.get_rows(a, ids), 2.0).set_name("y")
+    z = mg.add(y, y).set_name("z").set_output()
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(np.arange(12, dtype=np.float32).reshape(3, 4))
+    ids.set(np.array([2, 0], np.int32))
+    gf = mg.Graph().build_forward_expand(z)
+    be.graph_compute(gf)
+    plan = be.get_plan(gf.nodes, gf.cache)
+    assert ("rerun", be.name) in gf.cache
+    ids.set(np.array([1, 1], np.int32))
+    be.graph_compute(gf)                      # fast: the same plan ran again
+    assert plan.runs == 2 and be.plans_built == 1
+    np.testing.assert_array_equal(z.numpy(), 4 * np.arange(4, 8, dtype=np.float32)[None].repeat(2, 0))
+    ids.set(np.array([1, 3], np.int32))
+    with pytest.raises(mg.OpError, match=r"GET_ROWS .*index 3 in 'ids' is out of range \[0, 3\)"):
+        be.graph_compute(gf)
+    ids.set(np.array([0, 2], np.int32))
+    y.set_output()                            # y must keep its memory now: planned again
+    be.graph_compute(gf)
+    np.testing.assert_array_equal(y.numpy(), 2 * np.arange(12, dtype=np.float32).reshape(3, 4)[[0, 2]])
+    np.testing.assert_array_equal(z.numpy(), 2 * y.numpy())
+    gf2 = mg.Graph().build_forward_expand(z)   # another graph binds y and z into its own buffer
+    be.graph_compute(gf2)
+    ids.set(np.array([1, 0], np.int32))
+    be.graph_compute(gf)                      # so gf binds them back before it runs
+    np.testing.assert_array_equal(z.numpy(), 4 * np.arange(12, dtype=np.float32).reshape(3, 4)[[1, 0]])
+
+
 # -- conversions and fast paths at larger shapes ---------------------------------------------
 
 def _run_pair(make):

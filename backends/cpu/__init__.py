@@ -19,7 +19,7 @@ import numpy as np
 from minigraph.backend import HostBackend, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
-from minigraph.sources import srcs_of
+from minigraph.sources import reading, srcs_of
 from minigraph.tensor import bind_epoch
 from minigraph.types import bf16, f16, f32, i32, i64, q4_0, q4_k, q6_k, q8_0, q8_k
 
@@ -471,15 +471,19 @@ class CpuBackend(HostBackend):
         plan.epoch = bind_epoch()
         return plan
 
-    def run_plan(self, plan: CpuPlan):
-        """Execute every record of ``plan`` in one call into C."""
+    def run_plan(self, plan: CpuPlan, reads: dict | None = None):
+        """Execute every record of ``plan`` in one call into C. ``reads``: the sources table
+        (sources.reading) that names a failing node's sources, when the caller is outside one."""
         err = getattr(self._tls, "err", None)
         if err is None:
             err = self._tls.err = ffi.new("mg_error *")
         rc = lib.mg_plan_run(plan.records, plan.n, self.n_threads, err)
         plan.runs += 1
         if rc != 0:
-            self._raise(plan, err)
+            if reads is None:
+                self._raise(plan, err)
+            with reading(reads):
+                self._raise(plan, err)
 
     def _raise(self, plan: CpuPlan, err):
         node = plan.compute[err.node] if 0 <= err.node < len(plan.compute) else None
@@ -517,6 +521,10 @@ class CpuBackend(HostBackend):
 
     def compute_nodes(self, nodes, cache=None):
         self.run_plan(self.get_plan(nodes, cache))
+
+    def rerun_of(self, gf):
+        plan = self.get_plan(gf.nodes, gf.cache)   # the plan the compute just ran (cached)
+        return lambda: self.run_plan(plan, {})
 
 
 def _factory(idx: int) -> CpuBackend:
