@@ -9,6 +9,7 @@ Tensor.numpy() refuses to read them."""
 from __future__ import annotations
 
 import os
+import weakref
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -81,7 +82,7 @@ class Plan:
     tensors: list = field(default_factory=list)   # tensors placed, in node order
     size: int = 0                                  # peak bytes (the compute buffer's size)
     naive_size: int = 0                            # sum of every intermediate's size
-    overwritten: dict = field(default_factory=dict)  # tensor id -> label of the node given its memory
+    overwritten: dict = field(default_factory=dict)  # tensor id -> weakref to the node given its memory
     outputs: frozenset = frozenset()               # ids of the nodes flagged output when planned
 
     def __repr__(self):
@@ -149,7 +150,8 @@ class _Released:
     def take(self, off: int, size: int, by: Tensor, overwritten: dict):
         i = bisect_right(self.ends, off)          # the first range that ends after off
         while i < len(self.starts) and self.starts[i] < off + size:
-            overwritten[self.tensors[i].id] = by.label
+            # weak: a plan must not keep the graph's nodes alive; named only if read after (numpy)
+            overwritten[self.tensors[i].id] = weakref.ref(by)
             del self.starts[i], self.ends[i], self.tensors[i]
 
 

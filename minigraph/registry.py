@@ -188,9 +188,12 @@ def fail(opname: str, msg: str):
     raise OpError(f"{opname}: {msg}")
 
 
-def require(cond, opname: str, msg: str):
+def require(cond, opname: str, msg):
+    """OpError ``opname: msg`` unless cond. ``msg`` may be a callable that makes the message: the
+    shape rules pass lambdas, so that the labels they quote (about a microsecond each) are made
+    only for a rule that fails, not for the thousands that pass while a model's graph is built."""
     if not cond:
-        fail(opname, msg)
+        fail(opname, msg() if callable(msg) else msg)
 
 
 def _is_bool(v) -> bool:

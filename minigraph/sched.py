@@ -76,6 +76,11 @@ class ScheduledGraph:
     def placement_report(self) -> PlacementReport:
         return PlacementReport.from_schedule(self)
 
+    def copy_stats(self) -> tuple[int, int]:
+        """(copies, bytes copied) per compute: the placement report's n_copies and copy_bytes,
+        without naming every node (a report costs ~3 ms on a 700-node graph)."""
+        return len(self.copies), sum(self.copy_src[c.id].nbytes() for c in self.copies.values())
+
 
 # the newest schedule of each graph, so that drawings and reports of a graph find it; weak both
 # ways: neither the graph nor the schedule is kept alive by this table

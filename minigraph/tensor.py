@@ -148,7 +148,7 @@ class Tensor:
             self.overwritten_by = None
         self._offs = o
 
-    # overwritten_by: the label of the later node that the memory planner gave this intermediate's
+    # overwritten_by: a weakref to the later node that the memory planner gave this intermediate's
     # memory to once its last reader had run (set when a plan binds it), else None. numpy() then
     # refuses to read it: the bytes there belong to that node after a compute.
 
@@ -334,7 +334,9 @@ class Tensor:
         buf, _ = self.storage()
         root = self.root()
         if root.overwritten_by is not None:
-            raise OpError(f"tensor {self.label}: its memory was reused by {root.overwritten_by} after its "
+            later = root.overwritten_by()
+            later = later.label if later is not None else "a later node (since dropped)"
+            raise OpError(f"tensor {self.label}: its memory was reused by {later} after its "
                           f"last reader ran; call set_output() on {root.label} before computing to keep it")
         return buf.backend.read_tensor(self).reshape(self.storage_shape)
 

@@ -174,8 +174,7 @@ class Runner:
         res.outputs = self.model.build(g)
         res.sched = mg.Scheduler(self.backends)
         res.sched.alloc_graph(res.gf)
-        rep = res.sched.placement_report()
-        res.copy_stats = (rep.n_copies, rep.copy_bytes)     # per compute, fixed for the graph
+        res.copy_stats = res.sched.scheduled.copy_stats()   # per compute, fixed for the graph
         return res
 
     def _state_bytes(self) -> dict:

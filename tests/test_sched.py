@@ -142,6 +142,7 @@ def test_tensor_used_by_two_splits_on_one_device_is_copied_once(devs):
     x_copy = next(c for c in rep.copies if c.tensor == "x")
     assert x_copy.used_by_splits == [0, 2] and x_copy.reused
     assert rep.n_copies == 3
+    assert sched.scheduled.copy_stats() == (rep.n_copies, rep.copy_bytes) and rep.copy_bytes > 0
     assert "copied once, reused" in str(rep)
     assert np.array_equal(result[0], expected[0])
 

@@ -1268,7 +1268,7 @@ def test_plan_marks_exactly_the_intermediates_given_away():
         later = plan.tensors[plan.tensors.index(t) + 1:]
         overlapped = [u for u in later if plan.offsets[u.id] < o1 and o0 < plan.offsets[u.id] + u.nbytes()]
         if overlapped:
-            assert plan.overwritten[t.id] == overlapped[0].label
+            assert plan.overwritten[t.id]() is overlapped[0]
         else:
             assert t.id not in plan.overwritten
     assert plan.overwritten and y.id not in plan.overwritten

@@ -40,26 +40,28 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
 def _flash_attn_ext_rule(q, k, v, scale, max_bias, logit_softcap, mask=None):
     name = "FLASH_ATTN_EXT"
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        require(t.type == f32, name, f"{what} {t.label} must be f32, got {t.type.name} (ggml also takes f16 and "
+        require(t.type == f32, name,
+                lambda: f"{what} {t.label} must be f32, got {t.type.name} (ggml also takes f16 and "
                                      f"quantized K/V; minigraph does not yet)")
-        require(t.is_contiguous_rows(), name, f"{what} {t.label} rows must be contiguous (nb0 == 4), got nb={list(t.nb)}")
-    require(k.ne[0] == q.ne[0], name, f"k {k.label} rows have {k.ne[0]} elements, q {q.label} rows {q.ne[0]} (D_k)")
+        require(t.is_contiguous_rows(), name, lambda: f"{what} {t.label} rows must be contiguous (nb0 == 4), got nb={list(t.nb)}")
+    require(k.ne[0] == q.ne[0], name,
+            lambda: f"k {k.label} rows have {k.ne[0]} elements, q {q.label} rows {q.ne[0]} (D_k)")
     require(k.ne[2] > 0 and q.ne[2] % k.ne[2] == 0, name,
-            f"q {q.label} has {q.ne[2]} heads, not a multiple of k {k.label}'s {k.ne[2]}")
+            lambda: f"q {q.label} has {q.ne[2]} heads, not a multiple of k {k.label}'s {k.ne[2]}")
     require(v.ne[2] > 0 and q.ne[2] % v.ne[2] == 0, name,
-            f"q {q.label} has {q.ne[2]} heads, not a multiple of v {v.label}'s {v.ne[2]}")
+            lambda: f"q {q.label} has {q.ne[2]} heads, not a multiple of v {v.label}'s {v.ne[2]}")
     require(q.ne[3] == k.ne[3] == v.ne[3], name,
-            f"q, k and v must have the same ne3 (sequences), got {q.ne[3]}, {k.ne[3]}, {v.ne[3]}")
-    require(v.ne[1] == k.ne[1], name, f"v {v.label} has {v.ne[1]} rows, k {k.label} {k.ne[1]} (n_kv)")
+            lambda: f"q, k and v must have the same ne3 (sequences), got {q.ne[3]}, {k.ne[3]}, {v.ne[3]}")
+    require(v.ne[1] == k.ne[1], name, lambda: f"v {v.label} has {v.ne[1]} rows, k {k.label} {k.ne[1]} (n_kv)")
     if mask is not None:
-        require(mask.type == f16 and mask.is_contiguous(), name, f"mask {mask.label} must be contiguous f16, "
+        require(mask.type == f16 and mask.is_contiguous(), name, lambda: f"mask {mask.label} must be contiguous f16, "
                                                                  f"got {mask.type.name} nb={list(mask.nb)}")
         require(mask.ne[0] >= k.ne[1] and mask.ne[1] >= q.ne[1], name,
-                f"mask {mask.label} ne={list(mask.ne)} must cover n_kv={k.ne[1]} columns and n_q={q.ne[1]} rows")
+                lambda: f"mask {mask.label} ne={list(mask.ne)} must cover n_kv={k.ne[1]} columns and n_q={q.ne[1]} rows")
         require(mask.ne[2] > 0 and mask.ne[3] > 0 and q.ne[2] % mask.ne[2] == 0 and q.ne[3] % mask.ne[3] == 0, name,
-                f"mask {mask.label} ne={list(mask.ne)} must broadcast over q's heads {q.ne[2]} and sequences {q.ne[3]}")
-    require(max_bias >= 0, name, f"max_bias must be >= 0, got {max_bias}")
-    require(max_bias == 0 or mask is not None, name, f"max_bias={max_bias} needs a mask (ggml asserts it)")
+                lambda: f"mask {mask.label} ne={list(mask.ne)} must broadcast over q's heads {q.ne[2]} and sequences {q.ne[3]}")
+    require(max_bias >= 0, name, lambda: f"max_bias must be >= 0, got {max_bias}")
+    require(max_bias == 0 or mask is not None, name, lambda: f"max_bias={max_bias} needs a mask (ggml asserts it)")
     return Out(f32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]))
 
 

@@ -36,12 +36,12 @@ def convert(x: np.ndarray, dtype: DType) -> np.ndarray:
 
 def _check_convert(opname, a: Tensor, t: DType):
     require(a.type == t or (a.type, t) in CONVERSIONS, opname,
-            f"cannot convert {a.label} from {a.type.name} to {t.name} (supported: same type, "
+            lambda: f"cannot convert {a.label} from {a.type.name} to {t.name} (supported: same type, "
             f"f32<->f16, f32<->bf16, f32<->i32, f32->q8_0, f32->q4_0)")
     if t.is_quantized:
-        require(a.type != t, opname, f"{a.label}: copying {t.name} blocks to {t.name} is not supported")
+        require(a.type != t, opname, lambda: f"{a.label}: copying {t.name} blocks to {t.name} is not supported")
         require(a.ne[0] % t.blck_size == 0 and a.is_contiguous_rows(), opname,
-                f"{a.label}: quantizing to {t.name} takes contiguous rows of whole blocks "
+                lambda: f"{a.label}: quantizing to {t.name} takes contiguous rows of whole blocks "
                 f"(ne0={a.ne[0]} must be a multiple of {t.blck_size})")
 
 
@@ -65,9 +65,9 @@ def _cpy_rule(a, type, b=None):
     if b is None:  # ggml_cast: a new contiguous tensor of the new type
         return Out(type, a.ne)
     require(a.nelements() == b.nelements(), "CPY",
-            f"{a.label} has {a.nelements()} elements, destination {b.label} has {b.nelements()}")
+            lambda: f"{a.label} has {a.nelements()} elements, destination {b.label} has {b.nelements()}")
     require(not b.type.is_quantized or b.is_contiguous(), "CPY",
-            f"destination {b.label} of {b.type.name} must be contiguous")
+            lambda: f"destination {b.label} of {b.type.name} must be contiguous")
     return Out(b.type, b.ne, b.nb, view_of=b, offs=0)
 
 
@@ -104,7 +104,7 @@ def cast(a, type: DType):
     shape="a: any strides, [n0, n1, n2, n3] -> [ne0, ne1, ne2, ne3] contiguous, as many elements")
 def _cont_rule(a, ne):
     require(int(np.prod(ne)) == a.nelements(), "CONT",
-            f"{a.label} has {a.nelements()} elements, ne={list(ne)} has {int(np.prod(ne))}")
+            lambda: f"{a.label} has {a.nelements()} elements, ne={list(ne)} has {int(np.prod(ne))}")
     return Out(a.type, ne)
 
 
@@ -152,15 +152,15 @@ def cont_4d(a, ne0, ne1, ne2, ne3):
 @op("CONCAT", srcs=("a", "b"), params={"dim": int}, split="concat", ggml=GgmlCall("concat", ("a", "b", "dim")),
     shape="a: [n0, n1, n2, n3], b: the same extents except in dim -> a's extents with ne[dim] = a.ne[dim] + b.ne[dim]")
 def _concat_rule(a, b, dim):
-    require(0 <= dim < 4, "CONCAT", f"dim {dim} must be in [0, 4)")
-    require(a.type == b.type, "CONCAT", f"{a.label} is {a.type.name} but {b.label} is {b.type.name}")
+    require(0 <= dim < 4, "CONCAT", lambda: f"dim {dim} must be in [0, 4)")
+    require(a.type == b.type, "CONCAT", lambda: f"{a.label} is {a.type.name} but {b.label} is {b.type.name}")
     ne = list(a.ne)
     for d in range(4):
         if d == dim:
             ne[d] = a.ne[d] + b.ne[d]
         else:
             require(a.ne[d] == b.ne[d], "CONCAT",
-                    f"{a.label} ne={list(a.ne)} and {b.label} ne={list(b.ne)} differ in dim {d} (concat dim {dim})")
+                    lambda: f"{a.label} ne={list(a.ne)} and {b.label} ne={list(b.ne)} differ in dim {d} (concat dim {dim})")
     return Out(a.type, tuple(ne))
 
 
@@ -182,9 +182,9 @@ def concat(a, b, dim=0):
     shape="a: [m0, m1, m2, m3] -> [ne0, ne1, ne2, ne3] with each ne_i % m_i == 0 (a tiled)")
 def _repeat_rule(a, ne):
     ne = tuple(int(x) for x in ne) + (1,) * (4 - len(ne))
-    require(a.is_contiguous_rows(), "REPEAT", f"{a.label} rows must be contiguous (nb0 == {a.type.size})")
+    require(a.is_contiguous_rows(), "REPEAT", lambda: f"{a.label} rows must be contiguous (nb0 == {a.type.size})")
     require(a.nelements() > 0 and all(n % m == 0 for n, m in zip(ne, a.ne)), "REPEAT",
-            f"{a.label} ne={list(a.ne)} cannot be tiled to ne={list(ne)} (each extent must divide)")
+            lambda: f"{a.label} ne={list(a.ne)} cannot be tiled to ne={list(ne)} (each extent must divide)")
     return Out(a.type, ne)
 
 

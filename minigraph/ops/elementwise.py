@@ -50,8 +50,8 @@ def unary(name: str, fn, *, exact: bool = False, data=None):
         ggml=GgmlCall(name.lower(), ("a",)), cases=cases("unary", exact=exact, data=data),
         shape="a: [n0, n1, n2, n3] f32, rows contiguous -> [n0, n1, n2, n3] f32")
     def rule(a, inplace):
-        require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
-        require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
+        require(a.type == f32, name, lambda: f"{a.label} must be f32, got {a.type.name}")
+        require(a.is_contiguous_rows(), name, lambda: f"{a.label} rows must be contiguous (nb0 == 4)")
         return _same_or_view(a, inplace)
 
     @reference(name)
@@ -110,10 +110,10 @@ def _register_binary(name, fn):
         shape="a: [n0, n1, n2, n3] f32, b: [m0, m1, m2, m3] f32 with each n_i % m_i == 0 "
               "(b tiled over a) -> [n0, n1, n2, n3]")
     def rule(a, b, inplace):
-        require(a.type == f32 and b.type == f32, name, f"{a.label} and {b.label} must be f32, got {a.type.name}, {b.type.name}")
+        require(a.type == f32 and b.type == f32, name, lambda: f"{a.label} and {b.label} must be f32, got {a.type.name}, {b.type.name}")
         require(can_repeat(b, a), name,
-                f"{b.label} ne={list(b.ne)} does not broadcast to {a.label} ne={list(a.ne)} (each extent of a must be a multiple of b's)")
-        require(a.is_contiguous_rows() and b.is_contiguous_rows(), name, f"{a.label} and {b.label} rows must be contiguous (nb0 == 4)")
+                lambda: f"{b.label} ne={list(b.ne)} does not broadcast to {a.label} ne={list(a.ne)} (each extent of a must be a multiple of b's)")
+        require(a.is_contiguous_rows() and b.is_contiguous_rows(), name, lambda: f"{a.label} and {b.label} rows must be contiguous (nb0 == 4)")
         return _same_or_view(a, inplace)
 
     @reference(name)
@@ -183,8 +183,8 @@ _SCALE_CDEF = "".join(f"{_T} ggml_scale{v}{sfx}(struct ggml_context * ctx, {_T} 
     split="generic", ggml=GgmlCall(override=_ggml_scale, cdef=_SCALE_CDEF),
     shape="a: [n0, n1, n2, n3] f32, contiguous -> [n0, n1, n2, n3]")
 def _scale_rule(a, s, b, inplace):
-    require(a.type == f32, "SCALE", f"{a.label} must be f32, got {a.type.name}")
-    require(a.is_contiguous(), "SCALE", f"{a.label} must be contiguous, got nb={list(a.nb)}")
+    require(a.type == f32, "SCALE", lambda: f"{a.label} must be f32, got {a.type.name}")
+    require(a.is_contiguous(), "SCALE", lambda: f"{a.label} must be contiguous, got nb={list(a.nb)}")
     return _same_or_view(a, inplace)
 
 

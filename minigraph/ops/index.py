@@ -28,13 +28,13 @@ ROW_TYPES = (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k, i32)   # bf16 and blocks th
     shape="a: [n0, R, n2, n3] (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k or i32), b: [n, n2, n3] i32 row "
           "indices < R -> [n0, n, n2, n3] (f32; i32 for i32 rows)")
 def _get_rows_rule(a, b):
-    require(b.type == i32, "GET_ROWS", f"indices {b.label} must be i32, got {b.type.name}")
-    require(a.type in ROW_TYPES, "GET_ROWS", f"rows {a.label} must be one of "
+    require(b.type == i32, "GET_ROWS", lambda: f"indices {b.label} must be i32, got {b.type.name}")
+    require(a.type in ROW_TYPES, "GET_ROWS", lambda: f"rows {a.label} must be one of "
                                              f"{', '.join(t.name for t in ROW_TYPES)}, got {a.type.name}")
     require(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2], "GET_ROWS",
-            f"{a.label} ne={list(a.ne)} and indices {b.label} ne={list(b.ne)}: need a.ne2 == b.ne1 and a.ne3 == b.ne2")
-    require(b.ne[3] == 1, "GET_ROWS", f"indices {b.label} must have ne3 == 1, got ne={list(b.ne)}")
-    require(a.is_contiguous_rows(), "GET_ROWS", f"rows {a.label} must be contiguous (nb0 == {a.type.size})")
+            lambda: f"{a.label} ne={list(a.ne)} and indices {b.label} ne={list(b.ne)}: need a.ne2 == b.ne1 and a.ne3 == b.ne2")
+    require(b.ne[3] == 1, "GET_ROWS", lambda: f"indices {b.label} must have ne3 == 1, got ne={list(b.ne)}")
+    require(a.is_contiguous_rows(), "GET_ROWS", lambda: f"rows {a.label} must be contiguous (nb0 == {a.type.size})")
     out_type = i32 if a.type == i32 else f32
     return Out(out_type, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]))
 
@@ -68,18 +68,20 @@ def get_rows(a, b):
           "indices < R with n2 % c2 == 0, n3 % c3 == 0 -> [n0, R, n2, n3] (a view of a)")
 def _set_rows_rule(a, b, c):
     name = "SET_ROWS"
-    require(a.ne[0] == b.ne[0], name, f"destination {a.label} rows have {a.ne[0]} elements, source {b.label} rows {b.ne[0]}")
+    require(a.ne[0] == b.ne[0], name, lambda: f"destination {a.label} rows have {a.ne[0]} elements, source {b.label} rows {b.ne[0]}")
     require(a.ne[2] == b.ne[2] and a.ne[3] == b.ne[3], name,
-            f"destination {a.label} ne={list(a.ne)} and source {b.label} ne={list(b.ne)} differ in dims 2/3")
-    require(b.ne[1] == c.ne[0], name, f"source {b.label} has {b.ne[1]} rows but indices {c.label} have {c.ne[0]}")
+            lambda: f"destination {a.label} ne={list(a.ne)} and source {b.label} ne={list(b.ne)} differ in dims 2/3")
+    require(b.ne[1] == c.ne[0], name,
+            lambda: f"source {b.label} has {b.ne[1]} rows but indices {c.label} have {c.ne[0]}")
     require(c.ne[1] > 0 and c.ne[2] > 0 and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0, name,
-            f"indices {c.label} ne={list(c.ne)} must broadcast over source {b.label} ne={list(b.ne)} (b.ne2 % c.ne1 == 0, b.ne3 % c.ne2 == 0)")
-    require(c.ne[3] == 1, name, f"indices {c.label} must have ne3 == 1")
-    require(b.type in (f32, f16), name, f"source {b.label} must be f32 or f16, got {b.type.name}")
-    require(c.type in (i32, i64), name, f"indices {c.label} must be i32 or i64, got {c.type.name}")
-    require(a.type in (f32, f16), name, f"destination {a.label} must be f32 or f16, got {a.type.name}")
-    require(a.is_contiguous_rows(), name, f"destination {a.label} rows must be contiguous (nb0 == {a.type.size})")
-    require(b.is_contiguous_rows(), name, f"source {b.label} rows must be contiguous (nb0 == {b.type.size})")
+            lambda: f"indices {c.label} ne={list(c.ne)} must broadcast over source {b.label} ne={list(b.ne)} (b.ne2 % c.ne1 == 0, b.ne3 % c.ne2 == 0)")
+    require(c.ne[3] == 1, name, lambda: f"indices {c.label} must have ne3 == 1")
+    require(b.type in (f32, f16), name, lambda: f"source {b.label} must be f32 or f16, got {b.type.name}")
+    require(c.type in (i32, i64), name, lambda: f"indices {c.label} must be i32 or i64, got {c.type.name}")
+    require(a.type in (f32, f16), name, lambda: f"destination {a.label} must be f32 or f16, got {a.type.name}")
+    require(a.is_contiguous_rows(), name,
+            lambda: f"destination {a.label} rows must be contiguous (nb0 == {a.type.size})")
+    require(b.is_contiguous_rows(), name, lambda: f"source {b.label} rows must be contiguous (nb0 == {b.type.size})")
     return Out(a.type, a.ne, a.nb, view_of=a, offs=0)
 
 
@@ -111,9 +113,9 @@ def set_rows(a, b, c):
     shape="no sources -> [ceil((stop - start) / step)] f32: start, start + step, ...")
 def _arange_rule(start, stop, step):
     require(stop > start and step > 0, "ARANGE",
-            f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")
+            lambda: f"start={start}, stop={stop}, step={step}: ggml needs stop > start and step > 0")
     n = math.ceil(float((np.float32(stop) - np.float32(start)) / np.float32(step)))  # ceilf in f32
-    require(n > 0, "ARANGE", f"start={start}, stop={stop}, step={step} gives no elements in f32")
+    require(n > 0, "ARANGE", lambda: f"start={start}, stop={stop}, step={step} gives no elements in f32")
     return Out(f32, (n,))
 
 

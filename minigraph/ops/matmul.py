@@ -20,14 +20,15 @@ SRC0_TYPES = (f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)
           "b2 % B2 == 0, b3 % B3 == 0 -> [M, N, b2, b3] f32")
 def _mul_mat_rule(a, b):
     name = "MUL_MAT"
-    require(a.type in SRC0_TYPES, name, f"{a.label} is {a.type.name}; src0 must be one of "
+    require(a.type in SRC0_TYPES, name, lambda: f"{a.label} is {a.type.name}; src0 must be one of "
                                         f"{', '.join(t.name for t in SRC0_TYPES)}")
-    require(b.type == f32, name, f"{b.label} must be f32, got {b.type.name}")
-    require(a.ne[0] == b.ne[0], name, f"{a.label} ne0={a.ne[0]} must equal {b.label} ne0={b.ne[0]}")
+    require(b.type == f32, name, lambda: f"{b.label} must be f32, got {b.type.name}")
+    require(a.ne[0] == b.ne[0], name, lambda: f"{a.label} ne0={a.ne[0]} must equal {b.label} ne0={b.ne[0]}")
     require(a.ne[2] > 0 and a.ne[3] > 0 and b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, name,
-            f"{b.label} ne={list(b.ne)} dims 2/3 must be multiples of {a.label} ne={list(a.ne)}")
-    require(not a.is_transposed(), name, f"{a.label} must not be transposed (nb0 <= nb1)")
-    require(a.is_contiguous_rows() and b.is_contiguous_rows(), name, f"{a.label} and {b.label} rows must be contiguous")
+            lambda: f"{b.label} ne={list(b.ne)} dims 2/3 must be multiples of {a.label} ne={list(a.ne)}")
+    require(not a.is_transposed(), name, lambda: f"{a.label} must not be transposed (nb0 <= nb1)")
+    require(a.is_contiguous_rows() and b.is_contiguous_rows(), name,
+            lambda: f"{a.label} and {b.label} rows must be contiguous")
     return Out(f32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]))
 
 

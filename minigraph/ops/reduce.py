@@ -9,15 +9,15 @@ from .public import public
 
 
 def _f32_rows(name, a):
-    require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
-    require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4)")
+    require(a.type == f32, name, lambda: f"{a.label} must be f32, got {a.type.name}")
+    require(a.is_contiguous_rows(), name, lambda: f"{a.label} rows must be contiguous (nb0 == 4)")
 
 
 def _scaled_rows_rule(name: str):
     """The shape rule of NORM and RMS_NORM: f32 rows in, the same extents out, eps >= 0."""
     def rule(a, eps):
         _f32_rows(name, a)
-        require(eps >= 0, name, f"eps must be >= 0, got {eps}")
+        require(eps >= 0, name, lambda: f"eps must be >= 0, got {eps}")
         return Out(f32, a.ne)
     return rule
 
@@ -123,18 +123,19 @@ def sum_rows(a):
           "n2 % m2 == 0, n3 % m3 == 0 -> [n0, n1, n2, n3]")
 def _soft_max_rule(a, scale, max_bias, mask=None):
     name = "SOFT_MAX"
-    require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name}")
-    require(a.is_contiguous(), name, f"{a.label} must be contiguous (ggml_soft_max_ext asserts it), got nb={list(a.nb)}")
+    require(a.type == f32, name, lambda: f"{a.label} must be f32, got {a.type.name}")
+    require(a.is_contiguous(), name, lambda: f"{a.label} must be contiguous (ggml_soft_max_ext asserts it), got nb={list(a.nb)}")
     if mask is not None:
-        require(mask.type == f32, name, f"mask {mask.label} must be f32, got {mask.type.name} (ggml also "
+        require(mask.type == f32, name, lambda: f"mask {mask.label} must be f32, got {mask.type.name} (ggml also "
                                         f"takes f16 masks; minigraph does not yet)")
-        require(mask.is_contiguous(), name, f"mask {mask.label} must be contiguous, got nb={list(mask.nb)}")
-        require(mask.ne[0] == a.ne[0], name, f"mask {mask.label} rows have {mask.ne[0]} elements, {a.label} rows {a.ne[0]}")
-        require(mask.ne[1] >= a.ne[1], name, f"mask {mask.label} has {mask.ne[1]} rows, fewer than {a.label}'s {a.ne[1]}")
+        require(mask.is_contiguous(), name, lambda: f"mask {mask.label} must be contiguous, got nb={list(mask.nb)}")
+        require(mask.ne[0] == a.ne[0], name, lambda: f"mask {mask.label} rows have {mask.ne[0]} elements, {a.label} rows {a.ne[0]}")
+        require(mask.ne[1] >= a.ne[1], name, lambda: f"mask {mask.label} has {mask.ne[1]} rows, fewer than {a.label}'s {a.ne[1]}")
         require(mask.ne[2] > 0 and mask.ne[3] > 0 and a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, name,
-                f"mask {mask.label} ne={list(mask.ne)} must broadcast over {a.label} ne={list(a.ne)} in dims 2/3 "
+                lambda: f"mask {mask.label} ne={list(mask.ne)} must broadcast over {a.label} ne={list(a.ne)} in dims 2/3 "
                 f"(a.ne2 % mask.ne2 == 0, a.ne3 % mask.ne3 == 0)")
-    require(max_bias == 0.0, name, f"max_bias={max_bias}: ALiBi slopes are not implemented, max_bias must be 0.0")
+    require(max_bias == 0.0, name,
+            lambda: f"max_bias={max_bias}: ALiBi slopes are not implemented, max_bias must be 0.0")
     return Out(f32, a.ne)
 
 

@@ -97,30 +97,34 @@ _ROPE_CDEF = (f"{_T} ggml_rope_ext(struct ggml_context * ctx, {_T} a, {_T} b, {_
 def _rope_rule(a, b, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
                beta_fast, beta_slow, sec_t, sec_h, sec_w, sec_e, c=None):
     name = "ROPE"
-    require(mode & 1 == 0, name, f"mode={mode}: mode & 1 is no longer supported by ggml")
+    require(mode & 1 == 0, name, lambda: f"mode={mode}: mode & 1 is no longer supported by ggml")
     require(mode in (ROPE_NORMAL, ROPE_NEOX) + MULTI_MODES, name,
-            f"mode={mode}: minigraph implements NORMAL (0), NEOX (2), MROPE (8) and IMROPE (40); not VISION (24)")
-    require(a.type == f32, name, f"{a.label} must be f32, got {a.type.name} (ggml also takes f16; minigraph does not yet)")
-    require(a.is_contiguous_rows(), name, f"{a.label} rows must be contiguous (nb0 == 4), got nb={list(a.nb)}")
+            lambda: f"mode={mode}: minigraph implements NORMAL (0), NEOX (2), MROPE (8) and IMROPE (40); not VISION (24)")
+    require(a.type == f32, name, lambda: f"{a.label} must be f32, got {a.type.name} (ggml also takes f16; minigraph does not yet)")
+    require(a.is_contiguous_rows(), name, lambda: f"{a.label} rows must be contiguous (nb0 == 4), got nb={list(a.nb)}")
     require(n_dims % 2 == 0 and 0 <= n_dims <= a.ne[0], name,
-            f"n_dims={n_dims} must be even and in [0, ne0={a.ne[0]}] of {a.label}")
-    require(b.type == i32, name, f"positions {b.label} must be i32, got {b.type.name}")
+            lambda: f"n_dims={n_dims} must be even and in [0, ne0={a.ne[0]}] of {a.label}")
+    require(b.type == i32, name, lambda: f"positions {b.label} must be i32, got {b.type.name}")
     require(b.ne[1] == b.ne[2] == b.ne[3] == 1 and b.is_contiguous(), name,
-            f"positions {b.label} must be a contiguous vector, got ne={list(b.ne)} nb={list(b.nb)}")
+            lambda: f"positions {b.label} must be a contiguous vector, got ne={list(b.ne)} nb={list(b.nb)}")
     sections = (sec_t, sec_h, sec_w, sec_e)
     if mode in MULTI_MODES:
         require(b.ne[0] == 4 * a.ne[2], name,
-                f"positions {b.label} has {b.ne[0]} entries; mode {mode} needs 4 per token, 4*ne2 = {4 * a.ne[2]}")
+                lambda: f"positions {b.label} has {b.ne[0]} entries; mode {mode} needs 4 per token, 4*ne2 = {4 * a.ne[2]}")
         require(min(sections) >= 0 and max(sec_t, sec_h, sec_w) > 0, name,
-                f"sections={list(sections)} must be >= 0 with one of t, h, w > 0")
-        require(sum(sections) <= a.ne[0], name, f"sections={list(sections)} sum past ne0={a.ne[0]} of {a.label}")
+                lambda: f"sections={list(sections)} must be >= 0 with one of t, h, w > 0")
+        require(sum(sections) <= a.ne[0], name,
+                lambda: f"sections={list(sections)} sum past ne0={a.ne[0]} of {a.label}")
     else:
-        require(b.ne[0] == a.ne[2], name, f"positions {b.label} has {b.ne[0]} entries, {a.label} ne2 = {a.ne[2]} tokens")
-        require(sections == (0, 0, 0, 0), name, f"sections={list(sections)} are for MROPE/IMROPE only (mode {mode})")
+        require(b.ne[0] == a.ne[2], name, lambda: f"positions {b.label} has {b.ne[0]} entries, {a.label} ne2 = {a.ne[2]} tokens")
+        require(sections == (0, 0, 0, 0), name,
+                lambda: f"sections={list(sections)} are for MROPE/IMROPE only (mode {mode})")
     if c is not None:
-        require(c.type == f32 and c.is_contiguous(), name, f"frequency factors {c.label} must be contiguous f32")
-        require(c.ne[0] >= n_dims // 2, name, f"frequency factors {c.label} has {c.ne[0]} entries, fewer than n_dims/2 = {n_dims // 2}")
-    require(freq_base > 0 and freq_scale > 0, name, f"freq_base={freq_base} and freq_scale={freq_scale} must be > 0")
+        require(c.type == f32 and c.is_contiguous(), name,
+                lambda: f"frequency factors {c.label} must be contiguous f32")
+        require(c.ne[0] >= n_dims // 2, name, lambda: f"frequency factors {c.label} has {c.ne[0]} entries, fewer than n_dims/2 = {n_dims // 2}")
+    require(freq_base > 0 and freq_scale > 0, name,
+            lambda: f"freq_base={freq_base} and freq_scale={freq_scale} must be > 0")
     return Out(f32, a.ne)
 
 

@@ -15,16 +15,16 @@ from .public import public
     shape="sx: [d_conv-1+n_t, d_inner, n_s], rows dense; c: [d_conv, d_inner] -> [d_inner, n_t, n_s]")
 def _ssm_conv_rule(sx, c):
     name = "SSM_CONV"
-    require(sx.type == f32 and c.type == f32, name, f"{sx.label} and {c.label} must be f32")
-    require(sx.ne[3] == 1, name, f"{sx.label} must be 3-D [d_conv-1+n_t, d_inner, n_s], got ne={list(sx.ne)}")
-    require(c.ne[2] == 1 and c.ne[3] == 1, name, f"weights {c.label} must be 2-D [d_conv, d_inner], got ne={list(c.ne)}")
+    require(sx.type == f32 and c.type == f32, name, lambda: f"{sx.label} and {c.label} must be f32")
+    require(sx.ne[3] == 1, name, lambda: f"{sx.label} must be 3-D [d_conv-1+n_t, d_inner, n_s], got ne={list(sx.ne)}")
+    require(c.ne[2] == 1 and c.ne[3] == 1, name, lambda: f"weights {c.label} must be 2-D [d_conv, d_inner], got ne={list(c.ne)}")
     d_conv, d_inner = c.ne[0], c.ne[1]
     n_t = sx.ne[0] - d_conv + 1
-    require(sx.ne[1] == d_inner, name, f"{sx.label} has {sx.ne[1]} channels, weights {c.label} {d_inner}")
-    require(n_t >= 0, name, f"{sx.label} has {sx.ne[0]} columns, fewer than d_conv-1 = {d_conv - 1}")
+    require(sx.ne[1] == d_inner, name, lambda: f"{sx.label} has {sx.ne[1]} channels, weights {c.label} {d_inner}")
+    require(n_t >= 0, name, lambda: f"{sx.label} has {sx.ne[0]} columns, fewer than d_conv-1 = {d_conv - 1}")
     require(sx.nb[0] == 4 and sx.nb[1] == sx.ne[0] * 4, name,
-            f"{sx.label} rows must be dense along dim 0 (nb0 == 4, nb1 == ne0*4), got nb={list(sx.nb)}")
-    require(c.nb[0] == 4, name, f"weights {c.label} rows must be contiguous (nb0 == 4)")
+            lambda: f"{sx.label} rows must be dense along dim 0 (nb0 == 4, nb1 == ne0*4), got nb={list(sx.nb)}")
+    require(c.nb[0] == 4, name, lambda: f"weights {c.label} rows must be contiguous (nb0 == 4)")
     return Out(f32, (d_inner, n_t, sx.ne[2]))
 
 
@@ -59,27 +59,30 @@ def ssm_conv(sx, c):
           "(y, then K state snapshots)")
 def _ssm_scan_rule(s, x, dt, A, B, C, ids, K):
     name = "SSM_SCAN"
-    require(K >= 1, name, f"K must be >= 1, got {K}")
+    require(K >= 1, name, lambda: f"K must be >= 1, got {K}")
     for t in (s, x, dt, A, B, C):
-        require(t.type == f32, name, f"{t.label} must be f32, got {t.type.name}")
-    require(ids.type == i32, name, f"ids {ids.label} must be i32")
+        require(t.type == f32, name, lambda: f"{t.label} must be f32, got {t.type.name}")
+    require(ids.type == i32, name, lambda: f"ids {ids.label} must be i32")
     require(s.is_contiguous() and dt.is_contiguous() and A.is_contiguous(), name,
-            f"{s.label}, {dt.label} and {A.label} must be contiguous")
+            lambda: f"{s.label}, {dt.label} and {A.label} must be contiguous")
     for t in (x, B, C):
-        require(t.nb[0] == 4 and t.nb[1] == t.ne[0] * 4, name, f"{t.label} must be dense in dims 0-1, got nb={list(t.nb)}")
-    require(B.ne == C.ne, name, f"{B.label} ne={list(B.ne)} and {C.label} ne={list(C.ne)} must match")
+        require(t.nb[0] == 4 and t.nb[1] == t.ne[0] * 4, name, lambda: f"{t.label} must be dense in dims 0-1, got nb={list(t.nb)}")
+    require(B.ne == C.ne, name, lambda: f"{B.label} ne={list(B.ne)} and {C.label} ne={list(C.ne)} must match")
     d_state, head_dim, n_head, T, n_seqs = s.ne[0], x.ne[0], x.ne[1], x.ne[2], x.ne[3]
     require(dt.ne[:3] == (n_head, T, n_seqs) and dt.ne[3] == 1, name,
-            f"{dt.label} must be [n_head, T, n_seqs] = {[n_head, T, n_seqs]}, got ne={list(dt.ne)}")
+            lambda: f"{dt.label} must be [n_head, T, n_seqs] = {[n_head, T, n_seqs]}, got ne={list(dt.ne)}")
     require(s.ne[1] == head_dim and s.ne[2] == n_head, name,
-            f"state {s.label} must be [d_state, {head_dim}, {n_head}, rows], got ne={list(s.ne)}")
+            lambda: f"state {s.label} must be [d_state, {head_dim}, {n_head}, rows], got ne={list(s.ne)}")
     require(B.ne[0] == d_state and B.ne[2] == T and B.ne[3] == n_seqs, name,
-            f"{B.label} must be [{d_state}, n_group, {T}, {n_seqs}], got ne={list(B.ne)}")
-    require(B.ne[1] > 0 and n_head % B.ne[1] == 0, name, f"n_head {n_head} must be a multiple of n_group {B.ne[1]}")
-    require(ids.ne == (n_seqs, 1, 1, 1), name, f"ids {ids.label} must be a vector of {n_seqs}, got ne={list(ids.ne)}")
-    require(A.ne[1] == n_head and A.ne[2] == 1 and A.ne[3] == 1, name, f"A {A.label} must be [1 or d_state, {n_head}]")
+            lambda: f"{B.label} must be [{d_state}, n_group, {T}, {n_seqs}], got ne={list(B.ne)}")
+    require(B.ne[1] > 0 and n_head % B.ne[1] == 0, name,
+            lambda: f"n_head {n_head} must be a multiple of n_group {B.ne[1]}")
+    require(ids.ne == (n_seqs, 1, 1, 1), name,
+            lambda: f"ids {ids.label} must be a vector of {n_seqs}, got ne={list(ids.ne)}")
+    require(A.ne[1] == n_head and A.ne[2] == 1 and A.ne[3] == 1, name,
+            lambda: f"A {A.label} must be [1 or d_state, {n_head}]")
     require(A.ne[0] == 1 or (A.ne[0] == d_state and K == 1), name,
-            f"A {A.label} must be [1, n_head] (Mamba-2), or [d_state, n_head] with K == 1 (Mamba-1)")
+            lambda: f"A {A.label} must be [1, n_head] (Mamba-2), or [d_state, n_head] with K == 1 (Mamba-1)")
     return Out(f32, (x.nelements() + K * d_state * head_dim * n_head * n_seqs,))
 
 
@@ -139,22 +142,22 @@ def ssm_scan(s, x, dt, A, B, C, ids, K=1):
 def _gdn_rule(q, k, v, g, beta, state, K):
     name = "GATED_DELTA_NET"
     for t in (q, k, v, g, beta, state):
-        require(t.type == f32, name, f"{t.label} must be f32, got {t.type.name}")
+        require(t.type == f32, name, lambda: f"{t.label} must be f32, got {t.type.name}")
     for t in (q, k, v):
-        require(t.is_contiguous_rows(), name, f"{t.label} rows must be contiguous")
+        require(t.is_contiguous_rows(), name, lambda: f"{t.label} rows must be contiguous")
     for t in (g, beta, state):
-        require(t.is_contiguous(), name, f"{t.label} must be contiguous")
+        require(t.is_contiguous(), name, lambda: f"{t.label} must be contiguous")
     S_v, H, T, n_seqs = v.ne
     require(g.ne[0] in (1, S_v) and g.ne[1:] == (H, T, n_seqs), name,
-            f"gate {g.label} must be [1 or {S_v}, {H}, {T}, {n_seqs}], got ne={list(g.ne)}")
-    require(beta.ne == (1, H, T, n_seqs), name, f"beta {beta.label} must be [1, {H}, {T}, {n_seqs}], got ne={list(beta.ne)}")
+            lambda: f"gate {g.label} must be [1 or {S_v}, {H}, {T}, {n_seqs}], got ne={list(g.ne)}")
+    require(beta.ne == (1, H, T, n_seqs), name, lambda: f"beta {beta.label} must be [1, {H}, {T}, {n_seqs}], got ne={list(beta.ne)}")
     require(state.ne == (S_v, S_v, H, n_seqs), name,
-            f"state {state.label} must be [{S_v}, {S_v}, {H}, {n_seqs}], got ne={list(state.ne)}")
+            lambda: f"state {state.label} must be [{S_v}, {S_v}, {H}, {n_seqs}], got ne={list(state.ne)}")
     for t in (q, k):
         require(t.ne[0] == S_v and t.ne[2] == T and t.ne[1] > 0 and H % t.ne[1] == 0
                 and t.ne[3] > 0 and n_seqs % t.ne[3] == 0, name,
-                f"{t.label} must be [{S_v}, H_k | {H}, {T}, n | {n_seqs}], got ne={list(t.ne)}")
-    require(K >= 1, name, f"K must be >= 1, got {K}")
+                lambda: f"{t.label} must be [{S_v}, H_k | {H}, {T}, n | {n_seqs}], got ne={list(t.ne)}")
+    require(K >= 1, name, lambda: f"K must be >= 1, got {K}")
     return Out(f32, (S_v * H, T * n_seqs + K * S_v * n_seqs))
 
 

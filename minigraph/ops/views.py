@@ -11,8 +11,8 @@ from .public import public
 
 
 def check_view_bounds(opname: str, a: Tensor, ne, nb, offset: int):
-    require(offset >= 0, opname, f"view of {a.label}: negative offset {offset}")
-    require(all(x >= 0 for x in nb), opname, f"view of {a.label}: negative stride in nb={list(nb)}")
+    require(offset >= 0, opname, lambda: f"view of {a.label}: negative offset {offset}")
+    require(all(x >= 0 for x in nb), opname, lambda: f"view of {a.label}: negative stride in nb={list(nb)}")
     if any(n == 0 for n in ne):
         return
     root = a.root()
@@ -23,7 +23,7 @@ def check_view_bounds(opname: str, a: Tensor, ne, nb, offset: int):
     else:
         end = start + a.type.size + sum((n - 1) * b for n, b in zip(ne, nb))
     require(end <= root.nbytes(), opname,
-            f"view of {a.label} with ne={list(ne)} nb={list(nb)} at offset {offset} reaches byte "
+            lambda: f"view of {a.label} with ne={list(ne)} nb={list(nb)} at offset {offset} reaches byte "
             f"{end} of {root.label}, past its end ({root.nbytes()} bytes)")
 
 
@@ -33,12 +33,12 @@ def check_block_view(opname: str, a: Tensor, ne, nb, start: int):
     t = a.type
     rule = (f"view of {a.label} ({t.name}, blocks of {t.blck_size} values in {t.size} bytes) must "
             f"start on a block boundary and keep whole blocks in dim 0")
-    require(ne[0] % t.blck_size == 0, opname, f"{rule}: ne0={ne[0]} is not a multiple of {t.blck_size}")
-    require(nb[0] == t.size, opname, f"{rule}: nb0={nb[0]} must be the block size in bytes, {t.size}")
-    require(start % t.size == 0, opname, f"{rule}: it starts at byte {start} of {a.root().label}, "
+    require(ne[0] % t.blck_size == 0, opname, lambda: f"{rule}: ne0={ne[0]} is not a multiple of {t.blck_size}")
+    require(nb[0] == t.size, opname, lambda: f"{rule}: nb0={nb[0]} must be the block size in bytes, {t.size}")
+    require(start % t.size == 0, opname, lambda: f"{rule}: it starts at byte {start} of {a.root().label}, "
                                          f"not a multiple of {t.size}")
     bad = [x for x in nb[1:] if x % t.size]
-    require(not bad, opname, f"{rule}: stride {bad[0] if bad else 0} is not whole blocks of {t.size} bytes")
+    require(not bad, opname, lambda: f"{rule}: stride {bad[0] if bad else 0} is not whole blocks of {t.size} bytes")
 
 
 def _ggml_view(g, node, src):
@@ -138,9 +138,9 @@ def view_tensor(a):
     ggml=GgmlCall("reshape_4d", ("a", "@ne")))
 def _reshape_rule(a, ne):
     ne = pad_ne(ne)
-    require(a.is_contiguous(), "RESHAPE", f"{a.label} must be contiguous (nb={list(a.nb)})")
+    require(a.is_contiguous(), "RESHAPE", lambda: f"{a.label} must be contiguous (nb={list(a.nb)})")
     require(int(np.prod(ne)) == a.nelements(), "RESHAPE",
-            f"{a.label} has {a.nelements()} elements, the new shape ne={list(ne)} has {int(np.prod(ne))}")
+            lambda: f"{a.label} has {a.nelements()} elements, the new shape ne={list(ne)} has {int(np.prod(ne))}")
     return Out(a.type, ne, None, view_of=a, offs=0)
 
 
@@ -192,9 +192,10 @@ def reshape_4d(a, ne0, ne1, ne2, ne3):
 
 def _permuted(opname, a, axes):
     axes = tuple(int(x) for x in axes)
-    require(sorted(axes) == [0, 1, 2, 3], opname, f"axes {list(axes)} of {a.label} must be a permutation of 0..3")
+    require(sorted(axes) == [0, 1, 2, 3], opname,
+            lambda: f"axes {list(axes)} of {a.label} must be a permutation of 0..3")
     require(not a.type.is_quantized or axes[0] == 0, opname,
-            f"{a.label} is {a.type.name}: its values are packed in blocks along dim 0, which must stay dim 0")
+            lambda: f"{a.label} is {a.type.name}: its values are packed in blocks along dim 0, which must stay dim 0")
     ne = [0] * 4
     nb = [0] * 4
     for i, ax in enumerate(axes):
