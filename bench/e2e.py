@@ -169,12 +169,13 @@ def tokens_for(phase: str, n_vocab: int, n_seqs: int, n: int, salt: int) -> dict
 # -- the engines (in a worker process) -----------------------------------------------------------
 
 class MinigraphEngine:
-    def __init__(self, path, n_threads, n_seqs, n_ctx):
+    def __init__(self, path, n_threads, n_seqs, n_ctx, backend="cpu"):
         import minigraph as mg
         from minigraph.models.gguf_io import load_gguf
         from minigraph.models.runner import Runner
-        be = mg.backend("cpu")
-        be.set_n_threads(n_threads)
+        be = mg.backend(backend)
+        if hasattr(be, "set_n_threads"):
+            be.set_n_threads(n_threads)
         self.model = load_gguf(path, devices=be)
         self.n_vocab = self.model.n_vocab
         # n_kv padded to 256 cells as llama.cpp pads it (fewer graph rebuilds as the cache fills)
@@ -533,6 +534,8 @@ def worker(cfg: dict, out_path: str) -> int:
         eng = DequantizedEngine(path, nt, sh["n_seqs"], n_ctx, f32_path=cfg["f32_path"])
     elif engine == "llama-variant":
         eng = LlamaEngine(path, nt, sh["n_seqs"], n_ctx, variant=True)
+    elif engine == "minigraph-ref":
+        eng = MinigraphEngine(path, nt, sh["n_seqs"], n_ctx, backend="ref")
     elif engine == "minigraph-ulp":
         eng = PerturbedEngine(path, nt, sh["n_seqs"], n_ctx)
     else:
@@ -733,8 +736,9 @@ def nmse(a_outs, b_outs) -> float:
 
 def reference_outs(cfg: dict, engine: str, timeout: float):
     """The checked outputs of a reference engine on this row's phase ('dequantized': the float
-    model; 'llama-variant': llama.cpp's benign variant), in a worker of its own, or an
-    {'error': one line} dict."""
+    model; 'llama-variant': llama.cpp's benign variant; 'minigraph-ulp': minigraph with its norm
+    weights one ulp apart; 'minigraph-ref': minigraph's ref backend), in a worker of its own, or
+    an {'error': one line} dict."""
     w = Worker(dict(cfg, engine=engine, profile=False))
     timer = None
     try:
@@ -789,6 +793,19 @@ def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs, 
         return (f"logits differ: NMSE {mine:.3g} from llama.cpp, {to_float:.3g} from the dequantize-then-f32 "
                 f"model: nearer float products than ggml's arithmetic; no speed reported"), note
     return None, note
+
+
+def ggml_order_note(ref_outs, llama_outs, float_outs) -> str:
+    """What a refused row's reader needs next: minigraph's ref backend on the same row (NumPy, its
+    block dot products summed in ggml's own vec_dot order, where the cpu kernels keep an order of
+    their own), as NMSE from llama.cpp x the float model's. About the cpu row's figure: the
+    refusal comes from how far this model carries rounding differences, not from the kernels'
+    summation order; far below it: the cpu kernels' order is the cause."""
+    if isinstance(ref_outs, dict):
+        return f"; ref backend failed: {ref_outs['error'][:60]}"
+    floats = max(nmse(float_outs, llama_outs), 1e-300)
+    return (f"; the ref backend (ggml's dot-product order) measures {nmse(ref_outs, llama_outs) / floats:.3g} x, "
+            f"calls exact {exact_calls(ref_outs, llama_outs)}/{len(llama_outs)}")
 
 
 def exact_calls(a_outs, b_outs, tol=1e-6) -> int:
@@ -941,6 +958,11 @@ def main(argv=None) -> int:
                                                           refs[phase]["dequantized"], refs[phase]["llama-variant"],
                                                           refs[phase]["minigraph-ulp"])
                         if refusal:
+                            if "minigraph-ref" not in refs[phase]:   # once per phase: it does not time
+                                refs[phase]["minigraph-ref"] = reference_outs(cfg, "minigraph-ref",
+                                                                              120 if args.quick else 1800)
+                            refusal += ggml_order_note(refs[phase]["minigraph-ref"], res["llama"]["outs"],
+                                                       refs[phase]["dequantized"])
                             say(f"  {phase:13s} {ftype:6s} {nt:3d} {refusal}")
                             rows.append((name, phase, nt, None))
                             continue

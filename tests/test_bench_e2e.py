@@ -234,3 +234,16 @@ def test_arithmetic_check_takes_the_models_rounding_spread_into_account(e2e):
     refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant),
                                          {"error": "died"})
     assert refusal and "rounding failed: died" in refusal, refusal
+
+
+def test_a_refused_row_says_where_ggmls_dot_product_order_lands(e2e):
+    """The note a refusal gets: the ref backend's NMSE (ggml's block dot-product order) in the same
+    units, and its exact calls; a reference that failed is said to have failed."""
+    import numpy as np
+    e = np.eye(4)
+    llama = [{0: 10 * e[0]}, {0: 10 * e[0] + e[2]}]
+    floats = [{0: 10 * e[0] + e[1]}, {0: 10 * e[0] + e[2] + e[1]}]     # NMSE 2 / 201 from llama.cpp
+    ref = [{0: 10 * e[0]}, {0: 10 * e[0] + e[2] + e[3]}]               # half of it, first call exact
+    note = e2e.ggml_order_note(ref, llama, floats)
+    assert note == "; the ref backend (ggml's dot-product order) measures 0.5 x, calls exact 1/2", note
+    assert e2e.ggml_order_note({"error": "timed out"}, llama, floats) == "; ref backend failed: timed out"
