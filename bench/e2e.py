@@ -796,11 +796,10 @@ def arithmetic_check(ftype: str, mg_outs, llama_outs, float_outs, variant_outs, 
 
 
 def ggml_order_note(ref_outs, llama_outs, float_outs) -> str:
-    """What a refused row's reader needs next: minigraph's ref backend on the same row (NumPy, its
-    block dot products summed in ggml's own vec_dot order, where the cpu kernels keep an order of
-    their own), as NMSE from llama.cpp x the float model's. About the cpu row's figure: the
-    refusal comes from how far this model carries rounding differences, not from the kernels'
-    summation order; far below it: the cpu kernels' order is the cause."""
+    """For a refused row: minigraph's ref backend on the same phase (its block dot products summed
+    in ggml's own vec_dot order; the cpu kernels keep an order of their own), as NMSE from
+    llama.cpp in units of the float model's. Near the cpu row's figure, the refusal comes from how
+    far this model carries rounding differences; far below it, from the cpu kernels' order."""
     if isinstance(ref_outs, dict):
         return f"; ref backend failed: {ref_outs['error'][:60]}"
     floats = max(nmse(float_outs, llama_outs), 1e-300)

@@ -479,9 +479,9 @@ class CpuBackend(HostBackend):
             err = self._tls.err = ffi.new("mg_error *")
         rc = lib.mg_plan_run(plan.records, plan.n, self.n_threads, err)
         plan.runs += 1
-        if rc != 0:
-            if reads is None:
-                self._raise(plan, err)
+        if rc != 0 and reads is None:
+            self._raise(plan, err)
+        elif rc != 0:
             with reading(reads):
                 self._raise(plan, err)
 
