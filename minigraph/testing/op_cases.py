@@ -214,6 +214,20 @@ for _layout in LAYOUTS:
         return b
 
 
+@case("CONCAT", "dim0_transposed_operands", exact=True)
+def _(rng):
+    """A conv layer's input: history rows joined to a prefill's tokens transposed to channel rows,
+    either operand (or both) dense along dim 1, with runs of rows and tokens on and off multiples
+    of 8."""
+    b = Built(Context())
+    ne1, ne2, ne3 = int(rng.integers(1, 41)), int(rng.integers(1, 4)), int(rng.integers(1, 3))
+    ne_a, ne_b = int(rng.integers(1, 21)), int(rng.integers(1, 41))
+    t = [f32, i32][int(rng.integers(0, 2))]
+    lay_a, lay_b = [("strided", "transposed"), ("transposed", "contig"), ("transposed", "transposed")][int(rng.integers(0, 3))]
+    b.out(mg.concat(b.input(rng, t, (ne_a, ne1, ne2, ne3), lay_a), b.input(rng, t, (ne_b, ne1, ne2, ne3), lay_b), 0))
+    return b
+
+
 @case("CPY", "f32_to_f16_view_dst", exact=True)
 def _(rng):
     b = Built(Context())
