@@ -84,20 +84,6 @@
  * values are the same either way (exact integer sums). */
 #define PIN(v) __asm__("" : "+x"(v))
 
-/* half h (128 values) of a q6_K block as unsigned bytes (stored +32): q[k] = values 128h + 32k ..
- * 128h + 32k + 31, each a nibble of ql and two bits of qh */
-static inline __attribute__((always_inline)) void q6_K_half(const mg_block_q6_K *x, int h, __m256i q[4]) {
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
-    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
-    const __m256i l2 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
-    q[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-    q[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
-    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(hb, _mm256_set1_epi8(48)));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
-                           _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(-64)), 2));
-}
-
 /* acc + the int16 pair products of a and b, summed into int32 lanes: one vpdpwssd on VNNI builds */
 static inline __m256i add_madd16(__m256i acc, __m256i a, __m256i b) {
 #if MG_VNNI
@@ -805,10 +791,19 @@ typedef struct {
 
 /* row x's block as 256 unsigned 6-bit values, in order */
 static inline void q6_K_values(const mg_block_q6_K *x, uint8_t v[256]) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int h = 0; h < 2; h++) {
-        __m256i q[4];
-        q6_K_half(x, h, q);
-        for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(v + 128 * h + 32 * k), q[k]);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
+        const __m256i l2 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+        __m256i *o = (__m256i *)(v + 128 * h);
+        _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)));
+        _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(l2, m15),
+                                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2)));
+        _mm256_storeu_si256(o + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                                   _mm256_and_si256(hb, _mm256_set1_epi8(48))));
+        _mm256_storeu_si256(o + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
+                                                   _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(-64)), 2)));
     }
 }
 
@@ -875,14 +870,9 @@ static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_pa
 /* ---- panels: 8 weight rows packed once per job, read by every converted row ---- */
 /* columns per panel tile (16 vector registers: q4_K's C int16 sums, C int32 sums, the values) */
 #define PANEL_C 4
-/* from this many converted rows on, matrix x matrix takes the panels of q4_K and q8_0 (below:
- * tile_q4_K_8 and tile_q8_0_8, which pack nothing) */
+/* from this many converted rows on, matrix x matrix takes the panels (below: tile_q4_K_8 and
+ * tile_q8_0_8, which pack nothing) */
 #define PANEL_MIN_N 4
-/* q6_K's: its packing unpacks 6-bit values and moves the scales into lanes, which a few columns
- * do not repay (K1024 M4608, 1 thread: 0.68 ms by 4 columns against the one-row kernels' 0.46) */
-#ifndef Q6K_PANEL_MIN_N
-#define Q6K_PANEL_MIN_N 8
-#endif
 
 /* a type's panel tiles: a packed panel's 8 rows against C converted rows, one block at a time
  * (T##_panel_block), out[r * C + c]; and by C = 1..PANEL_C columns, C a constant in each */
@@ -911,18 +901,17 @@ PANEL_TILES(q4_K, mg_block_q8_K)
 PANEL_TILES(q8_0, mg_block_q8_0)
 PANEL_TILES(q6_K, mg_block_q8_K)
 
-/* a weight type's panels: from how many columns on, values per block, bytes of one packed block
- * of 8 rows, the packing and the tiles (by 1..PANEL_C columns) */
+/* a weight type's panels: values per block, bytes of one packed block of 8 rows, the packing
+ * and the tiles (by 1..PANEL_C columns) */
 typedef struct {
-    int64_t min_n;
     int64_t block_values;
     size_t panel_bytes;
     void (*pack)(const char *xrow, size_t xs, int64_t nb, void *pan);
     void (*cols)(int64_t nb, const void *pan, const void *const *ys, int C, float *o);
 } panel_kind;
-static const panel_kind q4_K_panels = {PANEL_MIN_N, MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
-static const panel_kind q8_0_panels = {PANEL_MIN_N, MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
-static const panel_kind q6_K_panels = {Q6K_PANEL_MIN_N, MG_QK_K, sizeof(q6_K_panel), q6_K_panel_pack, q6_K_panel_cols};
+static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
+static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
+static const panel_kind q6_K_panels = {MG_QK_K, sizeof(q6_K_panel), q6_K_panel_pack, q6_K_panel_cols};
 /* the types with panels, and theirs */
 static const panel_kind *panels_of(int t) {
     return t == MG_Q4_K ? &q4_K_panels : t == MG_Q8_0 ? &q8_0_panels : t == MG_Q6_K ? &q6_K_panels : NULL;
@@ -963,6 +952,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
     __m256 acc[TMAX];
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
 #endif
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
@@ -973,8 +963,16 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
             sumi[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, s16), 5));
         }
         for (int h = 0; h < 2; h++) {   /* halves of 128 values */
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x[b].ql + 64 * h));
+            const __m256i l2 = _mm256_loadu_si256((const __m256i *)(x[b].ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(x[b].qh + 32 * h));
+            /* value k*32 + l: nibble of ql (low: k = 0, 1; high: k = 2, 3) and bits 2k..2k+1 of qh */
             __m256i q[4], s[4];
-            q6_K_half(x + b, h, q);
+            q[0] = _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l2, m15), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(hb, _mm256_set1_epi8(48)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
+                                   _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(-64)), 2));
             /* 32 values use 2 scales: int16 lanes 0..7 scale 8h + 2k, 8..15 scale 8h + 2k + 1, shuffled
              * out of the half's 8 scales in both 128-bit lanes (scalar broadcasts measured 1.3x slower) */
             const __m256i sch = h ? _mm256_permute2x128_si256(s16, s16, 0x11) : _mm256_permute2x128_si256(s16, s16, 0x00);
@@ -1449,7 +1447,7 @@ ROW_TILES(q8_0, MG_Q8_0, CMAX)
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
 /* q6_K: one weight row against 6 columns (AVX2: 1.13x of 4, K768 M2048 by 512, 1 thread, Zen 3);
- * on MG_PANELS builds from Q6K_PANEL_MIN_N columns on by panels (q6_K_panel_block: 13.6 against
+ * on MG_PANELS builds from PANEL_MIN_N columns on by panels (q6_K_panel_block: 13.6 against
  * 19.5 ms there), these kernels then taking the rows left over and fewer columns */
 ROW_TILES(q6_K, MG_Q6_K, TMAX)
 #endif
@@ -1502,7 +1500,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     /* one panel in the thread's scratch; without it the one-row kernels (the same bits) */
     const panel_kind *pk = panels_of(a->type);
     void *pan = NULL;
-    if (pk && N >= pk->min_n && K > 0 && j0 < j1) pan = mg_thread_scratch((size_t)(K / pk->block_values) * pk->panel_bytes);
+    if (pk && N >= PANEL_MIN_N && K > 0 && j0 < j1) pan = mg_thread_scratch((size_t)(K / pk->block_values) * pk->panel_bytes);
 #endif
     for (int64_t job = j0; job < j1; job++) {
         const int64_t mb = job % mblk, p = job / mblk;
