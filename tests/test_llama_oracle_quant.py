@@ -73,7 +73,7 @@ BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 2e-3, "q4_0": 5e-3, "q4_k_m": 2e-3}
 # elements per call). Measured on lfm2 with only output.weight in bf16: one token's row is off by
 # 2e-4 (all its logits: one input element rounded to the neighbouring bf16), the others by 1e-7.
 NMSE_VS_DEQUANT = {"f16": 0.7, "bf16": 0.5, "q8_0": 0.01, "q4_0": 0.01, "q4_k_m": 0.01}
-# The cpu backend's 8-row kernels (cpu.own_order_types(): q8_0/q4_K/q6_K on AVX2) sum a
+# The cpu backend's 8-row kernels (cpu.own_order_types(): AVX-512 VNNI + VBMI, q8_0/q4_K on AVX2) sum a
 # weight row's blocks in one f32 chain instead of ggml's 8 lanes: their outputs differ from
 # llama.cpp's by f32 rounding, and an activation next to a q8 rounding boundary can then take the
 # other level, which no tie of ref's run explains. Measured on lfm2 q8_0 (seed 5): one such level,

@@ -129,7 +129,7 @@ def test_block_mul_mat_is_bit_exact_with_ggml_avx2(t):
     """Same integer sums, same scale products, same 8 float lanes and horizontal sum as ggml's
     AVX2 vec_dot: identical bits (the build here and the ggml wheel are both AVX2). Types whose
     kernels put 8 weight rows in the lanes instead (cpu.own_order_types(): q8_0, q4_K and q6_K on
-    AVX2 builds, AVX-512 VNNI + VBMI ones included)
+    AVX-512 VNNI + VBMI builds, q8_0 and q4_K on the other AVX2 builds)
     sum each row's blocks in one chain: the same integer sums and scale products, another f32
     order."""
     if not cpu.lib.mg_quant_simd():
@@ -209,7 +209,7 @@ def test_mul_mat_row_result_does_not_depend_on_its_tile(t):
     """A weight row's outputs are the same bits whichever kernel computes it: dropping the first
     rows moves every row to another place in the row tiles (q4_K, q6_K: from an 8-row tile or
     panel to the one-row kernel and back), by 1, 3 and 6 columns (on AVX2, the 8-row kernels of
-    q8_0 and q4_K transpose each block on the way below 4 columns, and those and q6_K read packed panels from 4 on)."""
+    q8_0 and q4_K transpose each block on the way below 4 columns and read packed panels from 4 on)."""
     rng = np.random.default_rng(12)
     K = 3 * t.blck_size if t.is_quantized else 80
     M = 27

@@ -90,7 +90,7 @@ def implemented_ops() -> set:
 def own_order_types() -> frozenset:
     """Names of the weight types whose kernels on this build put 8 weight rows in the vector lanes
     and sum each output's blocks in one f32 chain of their own (quant_matmul.c: q8_0, q4_K and
-    q6_K with AVX-512 VNNI + VBMI or on other AVX2 builds): their results differ from
+    q6_K with AVX-512 VNNI + VBMI, q8_0 and q4_K on other AVX2 builds): their results differ from
     ggml's by f32 rounding. Empty on builds without AVX2."""
     if lib is None:
         return frozenset()

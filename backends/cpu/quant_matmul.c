@@ -14,7 +14,7 @@
  * and order (8 partial sums per row, one fma per block, one horizontal sum), so results are
  * usually bit-identical to ggml's AVX2 build and otherwise differ by f32 rounding only. The
  * exceptions put 8 weight rows in the vector lanes and sum each output in one f32 chain of their
- * own (q8_0, q4_K and q6_K with MG_KROWS or MG_PANELS, below): they differ
+ * own (q8_0, q4_K and q6_K with MG_KROWS; q8_0 and q4_K with MG_PANELS, below): they differ
  * from ggml's by f32 rounding.
  *
  * Speed: matrix x vector is a stream over the weights (see QPF below) or over 8 rows at a time;
@@ -46,9 +46,9 @@
 #if MG_VNNI && defined(__AVX512VBMI__)
 #define MG_KROWS 8
 #endif
-/* q8_0, q4_K and q6_K on the other AVX2 builds: 8 weight rows in the lanes too, without vpdpbusd
+/* q8_0 and q4_K on the other AVX2 builds: 8 weight rows in the lanes too, without vpdpbusd
  * (maddubs); matrix x matrix packs them once per job into panels (run_panels) that all the
- * converted rows then read, and every kernel of the three types sums an output's blocks in one f32
+ * converted rows then read, and every kernel of the two types sums an output's blocks in one f32
  * chain, as on the MG_KROWS builds. q4_K's converted rows there are MG_Q8_KP (quant.h: the sums
  * of each 32 values made once per converted row): mg_work_type, dot_q4_K and the panels follow
  * this */
@@ -776,97 +776,6 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
     store_lanes(acc, C, out);
 }
 
-/* ---- q6_K panels: 8 weight rows in the lanes (AVX2 builds without MG_KROWS) ----
- * Lane r holds row r's 6-bit values as unsigned bytes (stored +32), 4 a lane, against 4 converted
- * values broadcast: maddubs gives int16 pairs of at most 2 * 63 * 128, so two of them add without
- * overflow, and a madd with the sub-block's scale (both int16 halves of lane r) takes them to
- * int32. 32 * sum(scale * bsum) comes off per block, as in dot_q6_K. The block's sum is exact, so
- * each output is acc + S * (d * dy) per block, rounded once: dot_q6_K's chain on these builds. */
-typedef struct {
-    __m256i w[8][8];   /* [32-value group g][k]: lane r = row r's values 32g + 4k .. 32g + 4k + 3 */
-    __m256i sc[16];    /* [sub-block]: lane r = row r's scale in both int16 halves */
-    __m256i sp[8];     /* [pair t]: lane r = row r's scales of sub-blocks 2t, 2t + 1 (int16 pair) */
-    __m256 d;
-} q6_K_panel;
-
-/* row x's block as 256 unsigned 6-bit values, in order */
-static inline void q6_K_values(const mg_block_q6_K *x, uint8_t v[256]) {
-    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
-        const __m256i l2 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
-        __m256i *o = (__m256i *)(v + 128 * h);
-        _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)));
-        _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(l2, m15),
-                                                   _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2)));
-        _mm256_storeu_si256(o + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                                                   _mm256_and_si256(hb, _mm256_set1_epi8(48))));
-        _mm256_storeu_si256(o + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m15),
-                                                   _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(-64)), 2)));
-    }
-}
-
-/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
-static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
-    q6_K_panel *p = pan;
-    uint8_t v[8][256] __attribute__((aligned(32)));
-    for (int64_t b = 0; b < nb; b++, p++) {
-        const mg_block_q6_K *x[8];
-        const char *vp[8];
-        for (int r = 0; r < 8; r++) {
-            x[r] = (const mg_block_q6_K *)(xrow + (size_t)r * xs) + b;
-            q6_K_values(x[r], v[r]);
-            vp[r] = (const char *)v[r];
-        }
-        for (int g = 0; g < 8; g++) load_rows_transposed(vp, 32 * g, p->w[g]);
-        int32_t sc[16][8], sp[8][8];
-        float d[8];
-        for (int r = 0; r < 8; r++) {
-            for (int j = 0; j < 16; j++) sc[j][r] = (int32_t)((uint32_t)(uint16_t)x[r]->scales[j] * 0x10001u);
-            for (int t = 0; t < 8; t++)
-                sp[t][r] = (int32_t)((uint32_t)(uint16_t)x[r]->scales[2 * t] | (uint32_t)(uint16_t)x[r]->scales[2 * t + 1] << 16);
-            d[r] = mg_fp16_to_fp32(x[r]->d);
-        }
-        for (int j = 0; j < 16; j++) p->sc[j] = _mm256_loadu_si256((const __m256i *)sc[j]);
-        for (int t = 0; t < 8; t++) p->sp[t] = _mm256_loadu_si256((const __m256i *)sp[t]);
-        p->d = _mm256_loadu_ps(d);
-    }
-}
-
-/* acc[c] + one packed block of 8 rows against the blocks y[c] (MG_Q8_K) */
-static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_panel *p, const mg_block_q8_K *const *y,
-                                                                   const int C, __m256 *acc) {
-    __m256i s[TMAX];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++) {   /* the values are stored +32: start from -32 * sum(scale * bsum) */
-        __m256i m = _mm256_madd_epi16(p->sp[0], bcast4(y[c]->bsums));
-#pragma GCC unroll 8
-        for (int t = 1; t < 8; t++) m = _mm256_add_epi32(m, _mm256_madd_epi16(p->sp[t], bcast4(y[c]->bsums + 2 * t)));
-        s[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
-    }
-    /* a sub-block per pass, not unrolled (as q4_K_panel_block: the op cache) */
-#pragma GCC unroll 1
-    for (int j = 0; j < 16; j++) {
-        const __m256i sc = p->sc[j];
-#pragma GCC unroll 2
-        for (int k = 0; k < 4; k += 2) {
-            const __m256i w0 = _mm256_load_si256(&p->w[j / 2][4 * (j % 2) + k]);
-            const __m256i w1 = _mm256_load_si256(&p->w[j / 2][4 * (j % 2) + k + 1]);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) {
-                const int8_t *q8 = y[c]->qs + 16 * j + 4 * k;
-                __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(q8)), _mm256_maddubs_epi16(w1, bcast4(q8 + 4)));
-                s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(a, sc));
-                PIN(s[c]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < C; c++)
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(p->d, _mm256_set1_ps(y[c]->d)), acc[c]);
-}
-
 /* ---- panels: 8 weight rows packed once per job, read by every converted row ---- */
 /* columns per panel tile (16 vector registers: q4_K's C int16 sums, C int32 sums, the values) */
 #define PANEL_C 4
@@ -899,7 +808,6 @@ static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_pa
     }
 PANEL_TILES(q4_K, mg_block_q8_K)
 PANEL_TILES(q8_0, mg_block_q8_0)
-PANEL_TILES(q6_K, mg_block_q8_K)
 
 /* a weight type's panels: values per block, bytes of one packed block of 8 rows, the packing
  * and the tiles (by 1..PANEL_C columns) */
@@ -911,10 +819,9 @@ typedef struct {
 } panel_kind;
 static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
 static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
-static const panel_kind q6_K_panels = {MG_QK_K, sizeof(q6_K_panel), q6_K_panel_pack, q6_K_panel_cols};
 /* the types with panels, and theirs */
 static const panel_kind *panels_of(int t) {
-    return t == MG_Q4_K ? &q4_K_panels : t == MG_Q8_0 ? &q8_0_panels : t == MG_Q6_K ? &q6_K_panels : NULL;
+    return t == MG_Q4_K ? &q4_K_panels : t == MG_Q8_0 ? &q8_0_panels : NULL;
 }
 
 /* weight rows [m0, m0 + 8 * whole panels) of one plane against all N converted rows; returns
@@ -945,14 +852,9 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
                                                            const int C, float *out) {
     const mg_block_q6_K *x = (const mg_block_q6_K *)xrow;
 #if MG_QAVX2
-#if MG_PANELS
-    __m128 chain[TMAX];   /* the panels' chain (below): one fma per block over its exact sum */
-    for (int c = 0; c < C; c++) chain[c] = _mm_setzero_ps();
-#else
     __m256 acc[TMAX];
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-#endif
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         PREFETCH(x + b); PREFETCH((const char *)(x + b) + 64); PREFETCH((const char *)(x + b) + 128);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x[b].scales));
@@ -993,18 +895,10 @@ static inline __attribute__((always_inline)) void dot_q6_K(int64_t nb, const cha
         const float xd = mg_fp16_to_fp32(x[b].d);
         for (int c = 0; c < C; c++) {
             const float dy = ((const mg_block_q8_K *)ys[c] + b)->d;
-#if MG_PANELS
-            chain[c] = chain_fma(chain[c], hsum8_epi32(sumi[c]), xd * dy);
-#else
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(dy * xd), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
-#endif
         }
     }
-#if MG_PANELS
-    for (int c = 0; c < C; c++) out[c] = _mm_cvtss_f32(chain[c]);
-#else
     for (int c = 0; c < C; c++) out[c] = hsum8(acc[c]);
-#endif
 #else
     for (int c = 0; c < C; c++) {
         const mg_block_q8_K *y = ys[c];
@@ -1419,7 +1313,7 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
 ROW_TILES(q4_0, MG_Q4_0, CMAX)
 #if defined(MG_KROWS) || MG_PANELS
 /* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q8_0 and q4_K on MG_PANELS ones,
- * from PANEL_MIN_N columns on by panels instead, as q6_K there); the rows left over by the one-row kernels,
+ * from PANEL_MIN_N columns on by panels instead); the rows left over by the one-row kernels,
  * which follow the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles
  * (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from
  * memory; q8_0 the same shape: 0.14 ms in cache, 32.8 GB/s over 24 such weights; AVX-512), by
@@ -1446,9 +1340,8 @@ ROW_TILES(q8_0, MG_Q8_0, CMAX)
 #ifdef MG_KROWS
 KROWS_TILES(q6_K, MG_Q6_K, 0)
 #else
-/* q6_K: one weight row against 6 columns (AVX2: 1.13x of 4, K768 M2048 by 512, 1 thread, Zen 3);
- * on MG_PANELS builds from PANEL_MIN_N columns on by panels (q6_K_panel_block: 13.6 against
- * 19.5 ms there), these kernels then taking the rows left over and fewer columns */
+/* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
+ * 1 thread, Zen 3) */
 ROW_TILES(q6_K, MG_Q6_K, TMAX)
 #endif
 ROW_TILES(f16, MG_F16, CMAX)
