@@ -20,8 +20,9 @@
  * Speed: matrix x vector is a stream over the weights (see QPF below) or over 8 rows at a time;
  * with more src1 rows the outputs are computed in register tiles (run_tiles): 8 weight rows by
  * C columns where a type has 8-row kernels, packed once per job into panels (run_panels) from
- * PANEL_MIN_N columns on MG_PANELS builds; otherwise one weight row against CMAX columns, so that
- * a weight block is loaded and unpacked once for several converted rows.
+ * PANEL_MIN_N columns on (q8_0 and q4_K on MG_PANELS builds, q4_K on MG_KROWS ones); otherwise
+ * one weight row against CMAX columns, so that a weight block is loaded and unpacked once for
+ * several converted rows.
  *
  * Batch invariance: an output element is the same function of (weight row, converted row)
  * whatever the thread, the chunk, the tile or the number of src1 rows: a tile only interleaves
@@ -55,6 +56,11 @@
 #if MG_QAVX2 && !defined(MG_KROWS)
 #define MG_Q4K_PAIR_SUMS 1
 #define MG_PANELS 1
+#endif
+/* q4_K's panels serve the MG_KROWS builds too (their chain is tile_q4_K_8's there), from more
+ * columns on (PANEL_MIN_N) */
+#if MG_QAVX2
+#define MG_Q4K_PANELS 1
 #endif
 
 /* Tuning knob (build-time) QPF: how far ahead (bytes) the weight row is prefetched into L1;
@@ -489,7 +495,8 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
 }
 #endif
 
-/* ---- q4_K: 8 weight rows in the lanes (AVX2 builds without MG_KROWS) ----
+/* ---- q4_K: 8 weight rows in the lanes (panels on every AVX2 build; the transposing tile on
+ * those without MG_KROWS) ----
  * Without vpdpbusd, dot_q4_K spends per 32 values and output a maddubs, a madd with the
  * sub-block's scale and an add. Here 8 weight rows' values are unpacked to bytes with row r in
  * lane r (4 values a lane): one maddubs against 4 converted values, broadcast, multiplies the 8
@@ -500,9 +507,11 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
  * every converted row reads; matrix x vector and a few columns transpose each block on the way
  * (tile_q4_K_8). Each output is lane r's chain over blocks: acc + S * (d_r * dy), then
  * + Mn * (dmin_r * -dy), each rounded once, S and Mn the block's exact integer sums: dot_q4_K's
- * chain on these builds, so an output has the same bits whichever kernel, tile, batch or thread
- * computes it. */
-#if MG_PANELS
+ * chain, and the MG_KROWS tile_q4_K_8's, so an output has the same bits whichever kernel, tile,
+ * batch or thread computes it. On MG_KROWS builds the panels take many columns (PANEL_MIN_N):
+ * a panel's values are unpacked once per job, where tile_q4_K_8 transposes them again for
+ * every group of CMAX columns. */
+#if MG_Q4K_PANELS
 /* the headers of one block of 8 rows, row r in lane r: the 6-bit scales of sub-blocks 0-3 (sl)
  * and 4-7 (sh) and the mins (ml, mh) as bytes, and the super-scales */
 typedef struct { __m256i sl, sh, ml, mh; __m256 d, dmin; } q4_K_heads;
@@ -515,7 +524,7 @@ static inline __attribute__((always_inline)) void q4_K_qs_8(const char *x, size_
 
 /* the rows x + r * xs (x at the block): the 16 header bytes of rows r and r + 4 share a vector,
  * so that the dword transposition comes out in row order */
-static inline __attribute__((always_inline)) q4_K_heads q4_K_heads_8(const char *x, size_t xs) {
+static inline __attribute__((always_inline)) q4_K_heads q4_K_heads_lanes(const char *x, size_t xs) {
     __m256i h[4];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; r++)
@@ -569,9 +578,17 @@ static inline __attribute__((always_inline)) void q4_K_block_fma(const __m256i *
                                                                  const mg_block_q8_K *const *y, const int C, __m256 *acc) {
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
-        __m256i m = _mm256_madd_epi16(mn[0], bcast4(y[c]->bsums));
+#if MG_Q4K_PAIR_SUMS
+#define PAIR_SUMS(t) bcast4(y[c]->bsums + 2 * (t))
+#else   /* q8_K's sums of 16 values, added in pairs here: the sums of sub-blocks 2t and 2t + 1 */
+        const __m256i s8 = _mm256_castsi128_si256(_mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[c]->bsums),
+                                                                 _mm_loadu_si128((const __m128i *)y[c]->bsums + 1)));
+#define PAIR_SUMS(t) _mm256_permutevar8x32_epi32(s8, _mm256_set1_epi32(t))
+#endif
+        __m256i m = _mm256_madd_epi16(mn[0], PAIR_SUMS(0));
 #pragma GCC unroll 4
-        for (int t = 1; t < 4; t++) m = _mm256_add_epi32(m, _mm256_madd_epi16(mn[t], bcast4(y[c]->bsums + 2 * t)));
+        for (int t = 1; t < 4; t++) m = _mm256_add_epi32(m, _mm256_madd_epi16(mn[t], PAIR_SUMS(t)));
+#undef PAIR_SUMS
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(d, _mm256_set1_ps(y[c]->d)), acc[c]);
         acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, _mm256_set1_ps(-y[c]->d)), acc[c]);
     }
@@ -601,7 +618,7 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
                 _mm256_store_si256(&p->w[2 * g + 1][k], _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4));
             }
         }
-        const q4_K_heads h = q4_K_heads_8(x, xs);
+        const q4_K_heads h = q4_K_heads_lanes(x, xs);
         for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j);
         for (int t = 0; t < 4; t++) p->mn[t] = q4_K_min_pair(&h, t);
         p->d = h.d;
@@ -636,6 +653,9 @@ static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_pa
     q4_K_block_fma(s, p->mn, p->d, p->dmin, y, C, acc);
 }
 
+#endif
+
+#if MG_PANELS
 /* weight rows xrow + r * xs (r < 8) against C converted rows, each block transposed in
  * registers on the way: out[r * C + c] */
 static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
@@ -650,7 +670,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         const mg_block_q8_K *y[TMAX];
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) y[c] = (const mg_block_q8_K *)ys[c] + b;
-        const q4_K_heads h = q4_K_heads_8(x, xs);
+        const q4_K_heads h = q4_K_heads_lanes(x, xs);
         const char *qs[8];
         q4_K_qs_8(x, xs, qs);
         __m256i s[TMAX];
@@ -775,13 +795,21 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
     }
     store_lanes(acc, C, out);
 }
+#endif
 
+#if MG_Q4K_PANELS
 /* ---- panels: 8 weight rows packed once per job, read by every converted row ---- */
 /* columns per panel tile (16 vector registers: q4_K's C int16 sums, C int32 sums, the values) */
 #define PANEL_C 4
-/* from this many converted rows on, matrix x matrix takes the panels (below: tile_q4_K_8 and
- * tile_q8_0_8, which pack nothing) */
+/* from this many converted rows on, matrix x matrix takes the panels (below that, tile_q4_K_8
+ * and tile_q8_0_8, which pack nothing). MG_KROWS builds' tiles need no transposing per column
+ * group's worth of extra work to pay back: K2048 M2048, 1 thread, Zen 4, tiles against panels:
+ * by 4 0.17 / 0.23 ms, by 8 0.36 / 0.37, by 32 1.33 / 1.27, by 512 22.7 / 20.1 */
+#ifdef MG_KROWS
+#define PANEL_MIN_N 16
+#else
 #define PANEL_MIN_N 4
+#endif
 
 /* a type's panel tiles: a packed panel's 8 rows against C converted rows, one block at a time
  * (T##_panel_block), out[r * C + c]; and by C = 1..PANEL_C columns, C a constant in each */
@@ -807,7 +835,9 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
         }                                                                                          \
     }
 PANEL_TILES(q4_K, mg_block_q8_K)
+#if MG_PANELS
 PANEL_TILES(q8_0, mg_block_q8_0)
+#endif
 
 /* a weight type's panels: values per block, bytes of one packed block of 8 rows, the packing
  * and the tiles (by 1..PANEL_C columns) */
@@ -818,10 +848,16 @@ typedef struct {
     void (*cols)(int64_t nb, const void *pan, const void *const *ys, int C, float *o);
 } panel_kind;
 static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
+#if MG_PANELS
 static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
-/* the types with panels, and theirs */
+#endif
+/* the types with panels on this build, and theirs */
 static const panel_kind *panels_of(int t) {
-    return t == MG_Q4_K ? &q4_K_panels : t == MG_Q8_0 ? &q8_0_panels : NULL;
+    if (t == MG_Q4_K) return &q4_K_panels;
+#if MG_PANELS
+    if (t == MG_Q8_0) return &q8_0_panels;
+#endif
+    return NULL;
 }
 
 /* weight rows [m0, m0 + 8 * whole panels) of one plane against all N converted rows; returns
@@ -1389,7 +1425,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     }
     int64_t j0, j1;
     mg_split(planes * mblk, ith, nth, &j0, &j1);
-#if MG_PANELS
+#if MG_Q4K_PANELS
     /* one panel in the thread's scratch; without it the one-row kernels (the same bits) */
     const panel_kind *pk = panels_of(a->type);
     void *pan = NULL;
@@ -1406,7 +1442,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
             continue;
         }
         if (N > 1 || tl->vec_tiles) {   /* matrix x matrix: tiles */
-#if MG_PANELS
+#if MG_Q4K_PANELS
             if (pan) {
                 run_tiles(tl, a, b, d, ap, run_panels(pk, a, b, d, ap, m0, m1, i2, i3, pan), m1, i2, i3);
                 continue;
@@ -1475,7 +1511,7 @@ int mg_quant_row_group(int t) {
 #ifdef MG_KROWS
     if (t == MG_Q8_0 || t == MG_Q4_K || t == MG_Q6_K) return MG_KROWS;
 #endif
-#if MG_PANELS
+#if MG_Q4K_PANELS
     if (panels_of(t)) return 8;
 #endif
     (void)t;
