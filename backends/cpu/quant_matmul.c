@@ -619,7 +619,11 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
             }
         }
         const q4_K_heads h = q4_K_heads_lanes(x, xs);
+#ifdef MG_KROWS   /* the scale in the low int16 half only: vpdpwssd takes int32 sums below 2^15 */
+        for (int j = 0; j < 8; j++) p->sc[j] = dword_bytes(j < 4 ? h.sl : h.sh, j % 4, 0x80);
+#else
         for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j);
+#endif
         for (int t = 0; t < 4; t++) p->mn[t] = q4_K_min_pair(&h, t);
         p->d = h.d;
         p->dmin = h.dmin;
@@ -634,6 +638,27 @@ static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_pa
     for (int c = 0; c < C; c++) s[c] = _mm256_setzero_si256();
     /* a sub-block per pass, not unrolled: the whole block's code overflows the op cache
      * (19.4 against 13.6-14.1 ms, K768 M2048 by 512, 1 thread, Zen 3) */
+#ifdef MG_KROWS
+    /* vpdpbusd: 4 values of the 8 rows a step into int32 sums, 16 products a lane (|sum| < 2^15)
+     * before one vpdpwssd applies the scale (p->sc: the low half), as tile_q4_K_8 does */
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; j++) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i a[TMAX];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 4 * h; k < 4 * h + 4; k++) {
+                const __m256i w = _mm256_load_si256(&p->w[j][k]);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) a[c] = dpbusd_bcast(a[c], w, y[c]->qs + 32 * j + 4 * k);
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) s[c] = _mm256_dpwssd_epi32(s[c], a[c], p->sc[j]);
+        }
+    }
+#else
 #pragma GCC unroll 1
     for (int j = 0; j < 8; j++) {
         __m256i a[TMAX];
@@ -650,6 +675,7 @@ static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_pa
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(a[c], p->sc[j]));
     }
+#endif
     q4_K_block_fma(s, p->mn, p->d, p->dmin, y, C, acc);
 }
 
@@ -802,11 +828,11 @@ static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const 
 /* columns per panel tile (16 vector registers: q4_K's C int16 sums, C int32 sums, the values) */
 #define PANEL_C 4
 /* from this many converted rows on, matrix x matrix takes the panels (below that, tile_q4_K_8
- * and tile_q8_0_8, which pack nothing). MG_KROWS builds' tiles need no transposing per column
- * group's worth of extra work to pay back: K2048 M2048, 1 thread, Zen 4, tiles against panels:
- * by 4 0.17 / 0.23 ms, by 8 0.36 / 0.37, by 32 1.33 / 1.27, by 512 22.7 / 20.1 */
+ * and tile_q8_0_8, which pack nothing). On MG_KROWS builds the tile's vpdpbusd is as cheap as
+ * the panel's, and the packing pays back from 8 columns (K2048 M2048, 1 thread, Zen 4, tiles
+ * against panels: by 4 0.17 / 0.23 ms; by 8 0.36 / 0.34; by 12 0.50 / 0.48; by 512 22.7 / 18.1) */
 #ifdef MG_KROWS
-#define PANEL_MIN_N 16
+#define PANEL_MIN_N 8
 #else
 #define PANEL_MIN_N 4
 #endif
