@@ -558,9 +558,10 @@ static inline __m256i dword_bytes(__m256i v, int lo, int hi) {
                                                                      0, 4 * 0x10001, 8 * 0x10001, 12 * 0x10001),
                                                    _mm256_set1_epi32(c)));
 }
-/* lane r: row r's scale of sub-block j in both int16 halves (a madd applies it to a pair) */
-static inline __m256i q4_K_scale(const q4_K_heads *h, int j) {
-    return dword_bytes(j < 4 ? h->sl : h->sh, j % 4, j % 4);
+/* lane r: row r's scale of sub-block j in both int16 halves (a madd applies it to a pair), or
+ * in the low half only (both = 0: vpdpwssd applies it to an int32 sum below 2^15) */
+static inline __m256i q4_K_scale(const q4_K_heads *h, int j, int both) {
+    return dword_bytes(j < 4 ? h->sl : h->sh, j % 4, both ? j % 4 : 0x80);
 }
 /* lane r: row r's mins of sub-blocks 2t and 2t + 1, an int16 pair */
 static inline __m256i q4_K_min_pair(const q4_K_heads *h, int t) {
@@ -619,10 +620,10 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
             }
         }
         const q4_K_heads h = q4_K_heads_lanes(x, xs);
-#ifdef MG_KROWS   /* the scale in the low int16 half only: vpdpwssd takes int32 sums below 2^15 */
-        for (int j = 0; j < 8; j++) p->sc[j] = dword_bytes(j < 4 ? h.sl : h.sh, j % 4, 0x80);
+#ifdef MG_KROWS   /* q4_K_panel_block's vpdpwssd takes the low half */
+        for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j, 0);
 #else
-        for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j);
+        for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j, 1);
 #endif
         for (int t = 0; t < 4; t++) p->mn[t] = q4_K_min_pair(&h, t);
         p->d = h.d;
@@ -720,7 +721,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
                     PIN(ah[c]);
                 }
             }
-            const __m256i scl = q4_K_scale(&h, 2 * g), sch = q4_K_scale(&h, 2 * g + 1);
+            const __m256i scl = q4_K_scale(&h, 2 * g, 1), sch = q4_K_scale(&h, 2 * g + 1, 1);
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)
                 s[c] = _mm256_add_epi32(s[c], _mm256_add_epi32(_mm256_madd_epi16(al[c], scl), _mm256_madd_epi16(ah[c], sch)));
@@ -1374,8 +1375,9 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
     static const tiles name##_tiles = {1, width, 0, TILE_WIDTHS(name, 1), TILE_WIDTHS(name, 1)};
 ROW_TILES(q4_0, MG_Q4_0, CMAX)
 #if defined(MG_KROWS) || MG_PANELS
-/* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q8_0 and q4_K on MG_PANELS ones,
- * from PANEL_MIN_N columns on by panels instead); the rows left over by the one-row kernels,
+/* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q8_0 and q4_K on MG_PANELS ones;
+ * from PANEL_MIN_N columns on, the panels take q4_K on both and q8_0 on MG_PANELS ones); the
+ * rows left over by the one-row kernels,
  * which follow the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles
  * (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from
  * memory; q8_0 the same shape: 0.14 ms in cache, 32.8 GB/s over 24 such weights; AVX-512), by
