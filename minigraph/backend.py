@@ -195,7 +195,16 @@ class HostBackend(Backend):
 
     def view(self, t: Tensor) -> np.ndarray:
         buf, offs = t.storage()
-        return host_view(buf.mem, offs, t)
+        if "input" not in t.flags and "output" not in t.flags:
+            return host_view(buf.mem, offs, t)
+        # a graph's inputs and outputs are written and read every step: their views are made once
+        # and kept with the buffer (making one costs more than copying a token's data through it,
+        # several times more on caches a decode step's weights have just flushed)
+        views = buf.__dict__.setdefault("views", {})
+        v = views.get((t.id, offs))
+        if v is None:
+            v = views[(t.id, offs)] = host_view(buf.mem, offs, t)
+        return v
 
     def write_tensor(self, t: Tensor, array: np.ndarray):
         np.copyto(self.view(t), array)

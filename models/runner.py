@@ -45,6 +45,11 @@ class DecodeError(RuntimeError):
     pass
 
 
+class NoSlot(DecodeError):
+    """The memory refused a ubatch (find_slot): nothing was placed or computed, so the previous
+    graph stays usable."""
+
+
 @dataclass
 class Stats:
     builds: int = 0
@@ -203,9 +208,10 @@ class Runner:
         self._journal = journal
         try:
             yield journal
-        except BaseException:
+        except BaseException as err:
             journal.undo()
-            self.forget_graph("the previous step failed and was undone")   # its inputs are stale
+            if not isinstance(err, NoSlot):
+                self.forget_graph("the previous step failed and was undone")   # its inputs are stale
             raise
         finally:
             self._journal = None
@@ -220,13 +226,15 @@ class Runner:
         with self.step() as journal:
             try:
                 return self._compute_ubatch(ub, journal)
+            except NoSlot:
+                raise
             except BaseException:
                 self.forget_graph("the previous ubatch failed")
                 raise
 
     def _compute_ubatch(self, ub, journal) -> np.ndarray:
         if not self.memory.find_slot(ub):
-            raise DecodeError(f"no memory slot for a ubatch of {ub.n_seqs} sequences: {self.memory.last_refusal}")
+            raise NoSlot(f"no memory slot for a ubatch of {ub.n_seqs} sequences: {self.memory.last_refusal}")
         if journal is not None:
             journal.before_ubatch(ub)        # the rows this graph may write, before it writes them
         params = self._params(ub)
@@ -348,18 +356,30 @@ class Runner:
         allocr = BatchAllocr(batch)
         ubatches = allocr.split_all("equal", self.n_ubatch, sequential=True,
                                     n_keep_tail=self.K if self.n_rs_seq > 0 else 0)
-        if not self.memory.prepare(ubatches):
-            if isinstance(self.memory, HybridMemory):
-                raise DecodeError(f"the batch does not fit in the hybrid memory: {self.memory.last_refusal}")
-            raise DecodeError("the batch does not fit in the recurrent memory")
+        # a lone ubatch skips the dry run (a decode step's): its own find_slot, inside the step
+        # that undoes it on failure, asks the memory the same question
+        lone = len(ubatches) == 1
+        if not lone and not self.memory.prepare(ubatches):
+            raise self._refused()
         parts = []
         with self.step():                # all ubatches or none: a failure in the 2nd undoes the 1st
             for ub in ubatches:
-                parts.append(self.process_ubatch(ub))
+                try:
+                    parts.append(self.process_ubatch(ub))
+                except NoSlot:
+                    if lone:
+                        raise self._refused() from None
+                    raise
         logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
         # the rows come in ubatch order (allocr.out_ids: their batch indices); put them in batch order
         order = np.argsort(np.asarray(allocr.out_ids, np.int64), kind="stable")
         return logits if np.array_equal(order, np.arange(order.size)) else logits[order]
+
+    def _refused(self) -> NoSlot:
+        """The error of a batch the memory cannot hold (nothing was changed)."""
+        if isinstance(self.memory, HybridMemory):
+            return NoSlot(f"the batch does not fit in the hybrid memory: {self.memory.last_refusal}")
+        return NoSlot("the batch does not fit in the recurrent memory")
 
     def next_pos(self, seq: int) -> int:
         return self.memory.seq_pos_max(seq) + 1

@@ -279,3 +279,18 @@ def test_fast_paths_at_larger_shapes(name):
     for b1, o1, o2 in _run_pair(make):
         err = compare(case, b1, o1, o2)
         assert err is None, f"{name}: {err}"
+
+
+def test_an_input_written_again_after_a_new_allocation_lands_in_its_new_memory():
+    # host backends keep an input's view between writes: it must follow the tensor's memory
+    be = cpu.CpuBackend(15)
+    ctx = Context()
+    x = ctx.new_tensor_1d(mg.f32, 4).set_name("x").set_input()
+    first = mg.alloc_ctx_tensors(ctx, be)
+    x.set(np.arange(4, dtype=np.float32))
+    other = be.alloc_buffer(128, "any")
+    for buf, offs in ((other, 0), (other, 64)):
+        x.buffer, x.offs = buf, offs
+        x.set(np.full(4, offs + 7, np.float32))
+        assert np.array_equal(buf.mem[offs:offs + 16].view(np.float32), np.full(4, offs + 7, np.float32))
+    assert np.array_equal(first.mem[:16].view(np.float32), np.arange(4, dtype=np.float32))

@@ -188,6 +188,20 @@ def test_a_ubatch_too_large_for_the_kv_cache_is_refused_with_nothing_changed():
     assert whole_memory(r) == before
 
 
+def test_a_refused_decode_step_keeps_the_reusable_graph():
+    # a lone ubatch goes straight to find_slot (no dry run): its refusal must still change
+    # nothing, and the graph of the steps before it stays reusable
+    r = runner(kv_size=8)
+    r.decode_seq_tokens({0: [1, 2, 3, 4, 5]})
+    r.decode_seq_tokens({0: [6]})
+    before, builds, reuses = whole_memory(r), r.stats.builds, r.stats.reuses
+    with pytest.raises(DecodeError, match="the batch does not fit in the hybrid memory: kv cache"):
+        r.decode_seq_tokens({1: [1, 2, 3, 4]})
+    assert whole_memory(r) == before
+    r.decode_seq_tokens({0: [7]})
+    assert (r.stats.builds, r.stats.reuses) == (builds, reuses + 1)
+
+
 def test_graph_reuse_passes_the_validator():
     r = runner(validate=True)
     for step in ({0: [1, 2], 1: [3, 4]}, {0: [5], 1: [6]}, {0: [7], 1: [8]}, {0: [9], 1: [10]}):
