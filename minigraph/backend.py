@@ -206,6 +206,20 @@ class HostBackend(Backend):
             v = views[(t.id, offs)] = host_view(buf.mem, offs, t)
         return v
 
+    def flat_view(self, t: Tensor) -> np.ndarray | None:
+        """A writable 1-D view of a contiguous element-type graph input or output, in memory
+        order, kept with its buffer like `view`'s; None for any other tensor. What a model's
+        inputs are written through every step: one NumPy assignment each, where Tensor.set makes
+        several calls (on the caches a decode step's weights have just flushed, every distinct
+        NumPy call costs tens of microseconds)."""
+        buf, offs = t.storage()
+        views = buf.__dict__.setdefault("views", {})
+        key = ("flat", t.id, offs)
+        if key not in views:
+            ok = ("input" in t.flags or "output" in t.flags) and not t.type.is_quantized and t.is_contiguous()
+            views[key] = self.view(t).reshape(-1) if ok else None
+        return views[key]
+
     def write_tensor(self, t: Tensor, array: np.ndarray):
         np.copyto(self.view(t), array)
 

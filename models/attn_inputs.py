@@ -10,7 +10,9 @@ import numpy as np
 
 import minigraph as mg
 
-from .graph import REUSABLE, GraphInput, _differs
+from minigraph.backend import HostBackend
+
+from .graph import REUSABLE, GraphInput, _differs, write_input
 from .kv_cache import GGML_KQ_MASK_PAD, KVCache, pad_to
 
 
@@ -23,21 +25,31 @@ class InputAttnKV(GraphInput):
         self.kv = kv
         self.self_k_idxs, self.self_v_idxs, self.self_kq_mask = k_idxs, v_idxs, kq_mask
         self.causal = causal
+        self._v_rows: dict = {}   # V width -> (its channel rows' first elements, width * kv_size)
 
     def set_input(self, ubatch):
         kv = self.kv
-        idxs = np.asarray(kv.idxs, np.int64)
-        self.self_k_idxs.set(idxs)
+        write_input(self.self_k_idxs, kv.idxs)
         for width, t in self.self_v_idxs.items():
-            self._set_v_idxs(kv, idxs, width, t)
-        self.self_kq_mask.set(kq_mask_values(kv, ubatch, self.self_kq_mask.ne[0], self.self_kq_mask.ne[1],
-                                             self.causal))
+            self._set_v_idxs(kv, width, t)
+        mask = self.self_kq_mask
+        n_kv, n_rows = mask.ne[0], mask.ne[1]
+        if ubatch.n_tokens <= FEW_TOKENS and min(n_kv, kv.cells.hi) <= FEW_CELLS:
+            write_input(mask, kq_mask_list(kv, ubatch, n_kv, n_rows, self.causal))
+        else:
+            mask.set(kq_mask_values(kv, ubatch, n_kv, n_rows, self.causal))
 
-    @staticmethod
-    def _set_v_idxs(kv, idxs, width: int, t: mg.Tensor):
-        # token t, channel ch of v_cur (element t*width + ch) -> element ch*kv_size + cell
-        ch = np.arange(width, dtype=np.int64)
-        t.set((ch[None, :] * kv.size + idxs[:, None]).reshape(-1))
+    def _set_v_idxs(self, kv, width: int, t: mg.Tensor):
+        # token t, channel ch of v_cur (element t*width + ch) -> element ch*kv_size + cell: the
+        # channel rows (ch*kv_size, kept per width while kv_size stays) plus each token's cell
+        rows = self._v_rows.get(width)
+        if rows is None or rows[1] != width * kv.size:
+            rows = self._v_rows[width] = (np.arange(width, dtype=np.int64) * kv.size, width * kv.size)
+        flat = t.backend.flat_view(t) if isinstance(t.backend, HostBackend) else None
+        if flat is not None and len(kv.idxs) == 1:    # a decode step: one NumPy call
+            np.add(rows[0], kv.idxs[0], out=flat)
+            return
+        t.set((rows[0][None, :] + np.asarray(kv.idxs, np.int64)[:, None]).reshape(-1))
 
     def can_reuse(self, params):
         kv = params.mctx.kv                         # rebind first, as InputRS does
@@ -72,6 +84,28 @@ def kq_mask_values(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True)
     mask = np.full((n_rows, n_kv), -np.inf, np.float32)
     mask[:ub.n_tokens, :n][seen] = 0.0
     return mask
+
+
+# a ubatch of at most FEW_TOKENS tokens over at most FEW_CELLS placed cells (a decode step's) has
+# its mask made in Python lists (kq_mask_list): fewer NumPy calls, each of which costs tens of
+# microseconds on the caches a decode step's weights have just flushed; larger ones in NumPy
+FEW_TOKENS = 8
+FEW_CELLS = 1024
+NEG_INF = float("-inf")
+
+
+def kq_mask_list(kv: KVCache, ub, n_kv: int, n_rows: int, causal: bool = True) -> list:
+    """kq_mask_values' mask, flat in memory order (row by row), as a Python list."""
+    cells = kv.cells
+    n = min(n_kv, cells.hi)
+    pos, seqs = cells.pos[:n], cells.seq[:n]
+    tail = [NEG_INF] * (n_kv - n)
+    out = []
+    for i in range(ub.n_tokens):
+        s, p = ub.seq_id[i][0], int(ub.pos[i]) if causal else float("inf")
+        out += [0.0 if 0 <= q <= p and s in ids else NEG_INF for q, ids in zip(pos, seqs)]
+        out += tail
+    return out + [NEG_INF] * (n_kv * (n_rows - ub.n_tokens))
 
 
 def build_attn_inp_kv(g, kv: KVCache, causal: bool = True) -> InputAttnKV:

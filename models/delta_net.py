@@ -23,7 +23,7 @@ import minigraph as mg
 
 from .attn_inputs import build_attn
 from .base import RecurrentModel, build_norm, require_equal_seqs
-from .graph import GraphInput, _differs
+from .graph import GraphInput, _differs, write_input
 
 
 ROPE_TYPE_IMROPE = 40      # llama.cpp's rope type for qwen35 (interleaved multi-section rope)
@@ -43,8 +43,8 @@ class InputPosMulti(GraphInput):
         self.pos = pos
 
     def set_input(self, ubatch):
-        p = np.asarray(ubatch.pos, np.int32)
-        self.pos.set(np.concatenate([p, p, p, np.zeros_like(p)]))
+        p = ubatch.pos.tolist()
+        write_input(self.pos, p * 3 + [0] * len(p))
 
     def can_reuse(self, params):
         return _differs("pos (4 * n_tokens)", self.pos.ne[0], 4 * params.ubatch.n_tokens)

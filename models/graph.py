@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 import minigraph as mg
+from minigraph.backend import HostBackend
 
 from .conv_state import build_slot_rev, conv_state_store, slot_order_tail
 
@@ -102,12 +103,26 @@ class GraphInput:
         raise NotImplementedError
 
 
+def write_input(t: mg.Tensor, values):
+    """Write a graph input's values for this step: a sequence (or 1-D array) of its element
+    count, in memory order, converted as NumPy assigns. On a host backend straight into the
+    input's kept flat view (HostBackend.flat_view: one NumPy call), else through Tensor.set."""
+    be = t.backend
+    flat = be.flat_view(t) if isinstance(be, HostBackend) else None
+    if flat is None:
+        t.set(np.asarray(values, t.type.np_dtype).reshape(t.storage_shape))
+        return
+    if len(values) != flat.size:        # NumPy would broadcast a single value silently
+        raise mg.OpError(f"set {t.label}: {len(values)} values for its {flat.size} elements")
+    flat[:] = values
+
+
 class InputTokens(GraphInput):
     def __init__(self, tokens: mg.Tensor):
         self.tokens = tokens
 
     def set_input(self, ubatch):
-        self.tokens.set(np.asarray(ubatch.token, np.int32))
+        write_input(self.tokens, ubatch.token)
 
     def can_reuse(self, params):
         return _differs("tokens (n_tokens)", self.tokens.ne[0], params.ubatch.n_tokens)
@@ -120,7 +135,7 @@ class InputPos(GraphInput):
         self.pos = pos
 
     def set_input(self, ubatch):
-        self.pos.set(np.asarray(ubatch.pos, np.int32))
+        write_input(self.pos, ubatch.pos)
 
     def can_reuse(self, params):
         return _differs("pos (n_tokens)", self.pos.ne[0], params.ubatch.n_tokens)
@@ -139,10 +154,9 @@ class InputRS(GraphInput):
 
     def set_input(self, ubatch):
         # s_copy(i) consumes a pending rollback: the next read comes from plane k
-        self.s_copy.set(np.array([self.mctx.s_copy(i) for i in range(self.s_copy.ne[0])], np.int32))
+        write_input(self.s_copy, [self.mctx.s_copy(i) for i in range(self.s_copy.ne[0])])
         if self.s_slot_rev is not None:
-            kw = self.s_slot_rev.ne[0]
-            self.s_slot_rev.set(np.arange(kw - 1, -1, -1, dtype=np.int32))
+            write_input(self.s_slot_rev, range(self.s_slot_rev.ne[0] - 1, -1, -1))
 
     def can_reuse(self, params):
         self.mctx = params.mctx                          # rebind first, as llama.cpp does
@@ -173,7 +187,7 @@ class InputOutIds(GraphInput):
         self.out_ids = out_ids
 
     def set_input(self, ubatch):
-        self.out_ids.set(np.asarray(output_rows(ubatch), np.int32))
+        write_input(self.out_ids, output_rows(ubatch))
 
     def can_reuse(self, params):
         return _differs("out_ids (n_outputs)", self.out_ids.ne[0], len(output_rows(params.ubatch)))

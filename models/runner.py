@@ -372,8 +372,10 @@ class Runner:
                     raise
         logits = parts[0] if len(parts) == 1 else np.concatenate(parts)
         # the rows come in ubatch order (allocr.out_ids: their batch indices); put them in batch order
-        order = np.argsort(np.asarray(allocr.out_ids, np.int64), kind="stable")
-        return logits if np.array_equal(order, np.arange(order.size)) else logits[order]
+        ids = allocr.out_ids
+        if all(a < b for a, b in zip(ids, ids[1:])):      # already (a decode step's one row, say)
+            return logits
+        return logits[np.argsort(np.asarray(ids, np.int64), kind="stable")]
 
     def _refused(self) -> NoSlot:
         """The error of a batch the memory cannot hold (nothing was changed)."""

@@ -166,7 +166,9 @@ class StepJournal:
         self._arena_offs = 0                                      # bytes of the arena this step used
         self._deferred: list = []  # runs (runs_written_by) of this ubatch's r/s rows, for bind
         self._held: list = []      # (cache tensor, byte offset, gathered host bytes) bound to a graph
-        self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), np.uint8)
+        self._stamp = os.urandom(STAMP_BYTES)   # written and compared through memoryviews:
+        # no NumPy call per step (each costs tens of microseconds on the caches a decode
+        # step's weights have just flushed)
 
     def _reserve(self, need: int):
         """Room for need more bytes after what this step already saved: when the arena is too
@@ -231,7 +233,7 @@ class StepJournal:
             if held is None:
                 rest.append(run)
                 continue
-            held[:STAMP_BYTES] = self._stamp
+            held.data[:STAMP_BYTES] = self._stamp
             self._held.append((run[0], run[1], held))
             self.witnessed += run[4]
         self._save(rest)
@@ -239,7 +241,7 @@ class StepJournal:
     def _ran(self, held) -> bool:
         """Whether the gather behind `held` ran: it overwrote the stamp with cache bytes (that
         those equal 32 random bytes has probability 2**-256)."""
-        return not np.array_equal(held[:STAMP_BYTES], self._stamp)
+        return held.data[:STAMP_BYTES] != self._stamp
 
     def _settle(self):
         """Copy the bytes the gathers of the graph that ran last hold into the journal: the next

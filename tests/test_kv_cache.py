@@ -193,3 +193,23 @@ def test_cells_counts_agree_with_a_plain_scan():
             for s in (0, 1):
                 assert c.seq_pos(s) == [p for p, q in zip(c.pos, c.seq) if s in q]
     assert KVCells(100).used_max_p1() == 0 and KVCells(100).used() == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_list_mask_equals_the_numpy_mask(seed, causal):
+    # decode steps take kq_mask_list, larger ubatches kq_mask_values: the same mask, bit for bit,
+    # on caches with empty cells, cells of several sequences, negative positions and cells past
+    # the used ones; tokens of several sequences, padded rows
+    from minigraph.models.attn_inputs import kq_mask_list
+    rng = np.random.default_rng(seed)
+    c = kv(size=64, n_pad=16)
+    for _ in range(int(rng.integers(1, 40))):
+        seqs = rng.choice(4, int(rng.integers(1, 3)), replace=False)
+        c.cells.place(int(rng.integers(0, 48)), int(rng.integers(-1, 30)), frozenset(int(q) for q in seqs))
+    n_seq_tokens = int(rng.integers(1, 3))
+    u = ub(*[([int(q)], rng.integers(0, 32, n_seq_tokens).tolist()) for q in rng.choice(4, 2, replace=False)])
+    for n_kv in (16, 48, 64):
+        want = kq_mask_values(c, u, n_kv, u.n_tokens + 1, causal)
+        got = np.asarray(kq_mask_list(c, u, n_kv, u.n_tokens + 1, causal), np.float32).reshape(want.shape)
+        assert got.tobytes() == want.tobytes()
