@@ -201,3 +201,21 @@ def test_slot_order_placement_on_two_cpus():
     # one host input (cpu:0), copied once to the other device and reused by every layer there
     assert [(c.tensor, c.src_device, c.dst_device) for c in found["host-input"]] == [("rs_s_slot_rev", "cpu:0", "cpu:1")]
     assert found["host-input"][0].used_by_splits and len(found["host-input"][0].used_by_splits) >= 1
+
+
+def test_write_input_writes_through_the_kept_view_and_checks_the_count():
+    # graph inputs are written with one assignment into a view kept with their buffer; a count
+    # that does not match is an error (NumPy alone would broadcast a single value silently)
+    from minigraph.models.graph import write_input
+    be = mg.backend("cpu")
+    ctx = mg.Context()
+    t = ctx.new_tensor_1d(mg.i32, 4).set_name("inp_pos").set_input()
+    mg.alloc_ctx_tensors(ctx, be, usage="any")
+    write_input(t, [3, 1, 4, 1])
+    assert t.numpy().tolist() == [3, 1, 4, 1]
+    assert be.flat_view(t) is be.flat_view(t)                      # made once
+    write_input(t, np.array([5, 9, 2, 6], np.int32))
+    assert t.numpy().tolist() == [5, 9, 2, 6]
+    with pytest.raises(mg.OpError, match="set 'inp_pos': 1 values for its 4 elements"):
+        write_input(t, [7])
+    assert t.numpy().tolist() == [5, 9, 2, 6]
