@@ -29,6 +29,7 @@ class Buffer:
         self.nbytes = nbytes
         self.usage = usage
         self.mem = mem
+        self.views: dict = {}   # a host backend's kept views of graph inputs and outputs (HostBackend.view)
 
     def __repr__(self):
         return f"Buffer({self.backend.name}, {self.usage}, {self.nbytes} bytes)"
@@ -194,31 +195,31 @@ class HostBackend(Backend):
         return Buffer(self, nbytes, usage, raw[start:start + max(nbytes, 1)])
 
     def view(self, t: Tensor) -> np.ndarray:
-        buf, offs = t.storage()
-        if "input" not in t.flags and "output" not in t.flags:
-            return host_view(buf.mem, offs, t)
-        # a graph's inputs and outputs are written and read every step: their views are made once
-        # and kept with the buffer (making one costs more than copying a token's data through it,
-        # several times more on caches a decode step's weights have just flushed)
-        views = buf.__dict__.setdefault("views", {})
-        v = views.get((t.id, offs))
-        if v is None:
-            v = views[(t.id, offs)] = host_view(buf.mem, offs, t)
-        return v
+        return self._kept_view(t, flat=False)
 
     def flat_view(self, t: Tensor) -> np.ndarray | None:
         """A writable 1-D view of a contiguous element-type graph input or output, in memory
-        order, kept with its buffer like `view`'s; None for any other tensor. What a model's
-        inputs are written through every step: one NumPy assignment each, where Tensor.set makes
-        several calls (on the caches a decode step's weights have just flushed, every distinct
-        NumPy call costs tens of microseconds)."""
+        order; None for any other tensor. What a model's inputs are written through every step:
+        one NumPy assignment each, where Tensor.set makes several calls (on the caches a decode
+        step's weights have just flushed, every distinct NumPy call costs tens of microseconds)."""
+        return self._kept_view(t, flat=True)
+
+    def _kept_view(self, t: Tensor, flat: bool):
+        """t's view (flat: its flat_view). A graph's inputs and outputs are written and read every
+        step, so theirs are made once and kept with the buffer (making one costs more than copying
+        a token's data through it); any other tensor's is made each time."""
         buf, offs = t.storage()
-        views = buf.__dict__.setdefault("views", {})
-        key = ("flat", t.id, offs)
-        if key not in views:
-            ok = ("input" in t.flags or "output" in t.flags) and not t.type.is_quantized and t.is_contiguous()
-            views[key] = self.view(t).reshape(-1) if ok else None
-        return views[key]
+        kept = "input" in t.flags or "output" in t.flags
+        if not kept:
+            return None if flat else host_view(buf.mem, offs, t)
+        key = (t.id, offs, flat)
+        if key not in buf.views:
+            if not flat:
+                buf.views[key] = host_view(buf.mem, offs, t)
+            else:
+                ok = not t.type.is_quantized and t.is_contiguous()
+                buf.views[key] = self._kept_view(t, flat=False).reshape(-1) if ok else None
+        return buf.views[key]
 
     def write_tensor(self, t: Tensor, array: np.ndarray):
         np.copyto(self.view(t), array)

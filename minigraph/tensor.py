@@ -295,11 +295,9 @@ class Tensor:
     def storage_shape(self) -> tuple[int, ...]:
         """The NumPy shape ``set`` takes and ``numpy`` gives: ``shape`` for element types; for
         block types (q8_0, q4_k, ...) the rows' raw bytes, shape[:-1] + (row bytes,)."""
-        shape = self.__dict__.get("_storage_shape")   # kept: ne and the type never change, and
-        if shape is None:                            # an output is read every decode step
-            shape = self._storage_shape = self.shape if not self.type.is_quantized else \
-                tuple(reversed(self.ne[1: self.n_dims()])) + (self.row_size(),)
-        return shape
+        if not self.type.is_quantized:
+            return self.shape
+        return tuple(reversed(self.ne[1: self.n_dims()])) + (self.row_size(),)
 
     def set(self, array) -> "Tensor":
         """Write a NumPy array (NumPy order, dtype equal to this tensor's) into the tensor.

@@ -10,8 +10,6 @@ import numpy as np
 
 import minigraph as mg
 
-from minigraph.backend import HostBackend
-
 from .graph import REUSABLE, GraphInput, _differs, write_input
 from .kv_cache import GGML_KQ_MASK_PAD, KVCache, pad_to
 
@@ -25,7 +23,7 @@ class InputAttnKV(GraphInput):
         self.kv = kv
         self.self_k_idxs, self.self_v_idxs, self.self_kq_mask = k_idxs, v_idxs, kq_mask
         self.causal = causal
-        self._v_rows: dict = {}   # V width -> (its channel rows' first elements, width * kv_size)
+        self._v_rows: dict = {}   # (V width, kv_size) -> each channel row's first element
 
     def set_input(self, ubatch):
         kv = self.kv
@@ -41,15 +39,14 @@ class InputAttnKV(GraphInput):
 
     def _set_v_idxs(self, kv, width: int, t: mg.Tensor):
         # token t, channel ch of v_cur (element t*width + ch) -> element ch*kv_size + cell: the
-        # channel rows (ch*kv_size, kept per width while kv_size stays) plus each token's cell
-        rows = self._v_rows.get(width)
-        if rows is None or rows[1] != width * kv.size:
-            rows = self._v_rows[width] = (np.arange(width, dtype=np.int64) * kv.size, width * kv.size)
-        flat = t.backend.flat_view(t) if isinstance(t.backend, HostBackend) else None
-        if flat is not None and len(kv.idxs) == 1:    # a decode step: one NumPy call
-            np.add(rows[0], kv.idxs[0], out=flat)
-            return
-        t.set((rows[0][None, :] + np.asarray(kv.idxs, np.int64)[:, None]).reshape(-1))
+        # channel rows' first elements (kept) plus each token's cell; a decode step's one cell
+        # takes one NumPy call
+        rows = self._v_rows.get((width, kv.size))
+        if rows is None:
+            rows = self._v_rows[(width, kv.size)] = np.arange(width, dtype=np.int64) * kv.size
+        idxs = kv.idxs
+        write_input(t, rows + idxs[0] if len(idxs) == 1 else
+                    (rows[None, :] + np.asarray(idxs, np.int64)[:, None]).reshape(-1))
 
     def can_reuse(self, params):
         kv = params.mctx.kv                         # rebind first, as InputRS does

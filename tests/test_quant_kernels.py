@@ -210,7 +210,7 @@ def test_mul_mat_row_result_does_not_depend_on_its_tile(t):
     rows moves every row to another place in the row tiles (q4_K, q6_K: from an 8-row tile or
     panel to the one-row kernel and back), by 1, 3, 6 and 17 columns (on AVX2, the 8-row kernels of
     q8_0 and q4_K transpose each block on the way below 4 columns and read packed panels from 4 on;
-    with AVX-512 VNNI + VBMI, q4_K reads packed panels from 16 columns on)."""
+    with AVX-512 VNNI + VBMI, q4_K reads packed panels from 8 columns on)."""
     rng = np.random.default_rng(12)
     K = 3 * t.blck_size if t.is_quantized else 80
     M = 27
