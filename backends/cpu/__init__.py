@@ -213,10 +213,8 @@ class CpuBackend(HostBackend):
         for name, s in srcs_of(node).items():
             if s is not None and s.type not in _PLAIN and s.type not in extra.get(name, ()):
                 return False
-        if node.op == "MUL_MAT":   # src1: f32 (converted here to src0's vec_dot_type) or that type itself
-            a, b = srcs_of(node)["a"], srcs_of(node)["b"]
-            if b.type != f32 and (a.type == f32 or b.type != a.type.vec_dot_type):
-                return False
+        if node.op == "MUL_MAT" and srcs_of(node)["b"].type != f32:
+            return False   # the kernels read src1 converted into their own work rows (mg_work_type)
         return node.type in _PLAIN or node.type in _WIDE_RESULT.get(node.op, ())
 
     @staticmethod
@@ -287,7 +285,8 @@ class CpuBackend(HostBackend):
     def _work_layout(node):
         """(type code, ne, nb) of the converted src1 of a MUL_MAT node: contiguous rows in the
         layout the C kernels chose for the weights' type (quant.h: ggml's vec_dot_type blocks,
-        or for q4_0 the same q8_0 values laid out for its dot product)."""
+        or for q4_0 the same q8_0 values laid out for its dot product, or for f16 and bf16 the
+        half values held as f32, so that the dot products convert only the weights)."""
         a, b = srcs_of(node)["a"], srcs_of(node)["b"]
         code = lib.mg_work_type(_TYPE_CODES[a.type])
         row = int(lib.mg_work_row_bytes(_TYPE_CODES[a.type], b.ne[0]))

@@ -4,10 +4,11 @@
 #define MG_MAX_SRC 7
 
 /* the backend's own type codes (Python maps minigraph types to them); the block types have ggml's
- * byte layouts (quant.h). MG_Q8_K, MG_Q8_0X, MG_Q8_0S and MG_Q8_KP only appear in MUL_MAT's work
- * buffer. */
+ * byte layouts (quant.h). MG_Q8_K, MG_Q8_0X, MG_Q8_0S, MG_Q8_KP, MG_F16F and MG_BF16F only appear in
+ * MUL_MAT's work buffer. */
 enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3, MG_BF16 = 4, MG_Q4_0 = 5, MG_Q8_0 = 6,
-               MG_Q4_K = 7, MG_Q6_K = 8, MG_Q8_K = 9, MG_Q8_0X = 10, MG_Q8_0S = 11, MG_Q8_KP = 12 };
+               MG_Q4_K = 7, MG_Q6_K = 8, MG_Q8_K = 9, MG_Q8_0X = 10, MG_Q8_0S = 11, MG_Q8_KP = 12,
+               MG_F16F = 13, MG_BF16F = 14 };
 
 enum mg_status { MG_OK = 0, MG_ERR_INDEX = 1, MG_ERR_OP = 2 };
 

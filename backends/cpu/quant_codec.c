@@ -108,6 +108,7 @@ void mg_to_f32_row(int t, const void *src, float *dst, int64_t n) {
             return;
         }
         case MG_F16: mg_convert_row((char *)dst, 4, MG_F32, src, 2, MG_F16, n); return;
+        case MG_F16F: case MG_BF16F: memcpy(dst, src, (size_t)n * sizeof(float)); return;
         default: return;
     }
 }
@@ -210,6 +211,20 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
     const int dense = snb == 4;
     switch (t) {
         case MG_F16: mg_convert_row(dst, 2, MG_F16, src, snb, MG_F32, n); return;
+        case MG_F16F: case MG_BF16F: {   /* quant.h: rounded to the half type, widened back */
+            float *d = dst;
+            uint16_t h[MG_QK_K];
+            for (int64_t i = 0; i < n; i += MG_QK_K) {
+                const int64_t m = mg_min64(MG_QK_K, n - i);
+                if (t == MG_F16F) {
+                    mg_convert_row((char *)h, 2, MG_F16, src + i * snb, snb, MG_F32, m);
+                    mg_convert_row((char *)(d + i), 4, MG_F32, (const char *)h, 2, MG_F16, m);
+                } else {
+                    for (int64_t j = 0; j < m; j++) d[i + j] = mg_bf16_to_fp32(mg_fp32_to_bf16(mg_load_f32(src + (i + j) * snb)));
+                }
+            }
+            return;
+        }
         case MG_BF16: {
             uint16_t *d = dst;
             for (int64_t i = 0; i < n; i++) d[i] = mg_fp32_to_bf16(mg_load_f32(src + i * snb));

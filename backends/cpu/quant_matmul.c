@@ -1225,7 +1225,8 @@ static inline __attribute__((always_inline)) void dot_q8_0s(int64_t nb, const ch
 }
 #endif
 
-/* ---- f16 / bf16 weights x rows of the same type: f32 products summed with fma ---- */
+/* ---- f16 / bf16 weights x converted rows (MG_F16F / MG_BF16F: half values held as f32, quant.h):
+ * f32 products summed with fma; only the weights are converted in the loop ---- */
 #if MG_QAVX2
 static inline __m256 load8_h(const uint16_t *p, int bf) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -1242,10 +1243,14 @@ static inline __m512 load16_h(const uint16_t *p, int bf) {
 }
 #endif
 
-/* the last n < 32 halves of a row, zero-padded to 32 (a product with 0 changes no sum) */
+/* the last n < 32 values of a row, zero-padded to 32 (a product with 0 changes no sum) */
 static inline void pad32(uint16_t out[32], const uint16_t *src, int64_t n) {
     memset(out, 0, 32 * sizeof(uint16_t));
     memcpy(out, src, (size_t)n * sizeof(uint16_t));
+}
+static inline void pad32f(float out[32], const float *src, int64_t n) {
+    memset(out, 0, 32 * sizeof(float));
+    memcpy(out, src, (size_t)n * sizeof(float));
 }
 
 static inline __attribute__((always_inline)) void dot_half(int64_t K, const char *xrow, const void *const *ys,
@@ -1263,18 +1268,20 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
     for (; k + 32 <= K; k += 32) {
         const __m512 x0 = load16_h(x + k, bf), x1 = load16_h(x + k + 16, bf);
         for (int c = 0; c < C; c++) {
-            const uint16_t *y = (const uint16_t *)ys[c] + k;
-            acc2[c][0] = _mm512_fmadd_ps(x0, load16_h(y, bf), acc2[c][0]);
-            acc2[c][1] = _mm512_fmadd_ps(x1, load16_h(y + 16, bf), acc2[c][1]);
+            const float *y = (const float *)ys[c] + k;
+            acc2[c][0] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(y), acc2[c][0]);
+            acc2[c][1] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(y + 16), acc2[c][1]);
         }
     }
     if (k < K) {
-        uint16_t tx[32], ty[32];
+        uint16_t tx[32];
+        float ty[32];
         pad32(tx, x + k, K - k);
+        const __m512 x0 = load16_h(tx, bf), x1 = load16_h(tx + 16, bf);
         for (int c = 0; c < C; c++) {
-            pad32(ty, (const uint16_t *)ys[c] + k, K - k);
-            acc2[c][0] = _mm512_fmadd_ps(load16_h(tx, bf), load16_h(ty, bf), acc2[c][0]);
-            acc2[c][1] = _mm512_fmadd_ps(load16_h(tx + 16, bf), load16_h(ty + 16, bf), acc2[c][1]);
+            pad32f(ty, (const float *)ys[c] + k, K - k);
+            acc2[c][0] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(ty), acc2[c][0]);
+            acc2[c][1] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(ty + 16), acc2[c][1]);
         }
     }
     for (int c = 0; c < C; c++) {
@@ -1293,26 +1300,28 @@ static inline __attribute__((always_inline)) void dot_half(int64_t K, const char
         __m256 xv[4];
         for (int q = 0; q < 4; q++) xv[q] = load8_h(x + k + 8 * q, bf);
         for (int c = 0; c < C; c++) {
-            const uint16_t *y = (const uint16_t *)ys[c] + k;
-            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(xv[q], load8_h(y + 8 * q, bf), acc[c][q]);
+            const float *y = (const float *)ys[c] + k;
+            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(xv[q], _mm256_loadu_ps(y + 8 * q), acc[c][q]);
         }
     }
     if (k < K) {
-        uint16_t tx[32], ty[32];
+        uint16_t tx[32];
+        float ty[32];
         pad32(tx, x + k, K - k);
+        __m256 xv[4];
+        for (int q = 0; q < 4; q++) xv[q] = load8_h(tx + 8 * q, bf);
         for (int c = 0; c < C; c++) {
-            pad32(ty, (const uint16_t *)ys[c] + k, K - k);
-            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(load8_h(tx + 8 * q, bf), load8_h(ty + 8 * q, bf), acc[c][q]);
+            pad32f(ty, (const float *)ys[c] + k, K - k);
+            for (int q = 0; q < 4; q++) acc[c][q] = _mm256_fmadd_ps(xv[q], _mm256_loadu_ps(ty + 8 * q), acc[c][q]);
         }
     }
     for (int c = 0; c < C; c++)
         out[c] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][2]), _mm256_add_ps(acc[c][1], acc[c][3])));
 #else
     for (int c = 0; c < C; c++) {
-        const uint16_t *y = ys[c];
+        const float *y = ys[c];
         float s = 0.0f;
-        for (int64_t k = 0; k < K; k++)
-            s += bf ? mg_bf16_to_fp32(x[k]) * mg_bf16_to_fp32(y[k]) : mg_fp16_to_fp32(x[k]) * mg_fp16_to_fp32(y[k]);
+        for (int64_t k = 0; k < K; k++) s += (bf ? mg_bf16_to_fp32(x[k]) : mg_fp16_to_fp32(x[k])) * y[k];
         out[c] = s;
     }
 #endif
@@ -1504,8 +1513,8 @@ static void mg_k_src1_to_dot_type(const mg_node *n, int ith, int nth) {
 
 int mg_work_type(int t) {
     switch (t) {
-        case MG_F16: return MG_F16;
-        case MG_BF16: return MG_BF16;
+        case MG_F16: return MG_F16F;
+        case MG_BF16: return MG_BF16F;
 #ifdef MG_KROWS
         case MG_Q8_0: return MG_Q8_0S;
 #else
