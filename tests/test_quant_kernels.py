@@ -342,15 +342,17 @@ def _fill(ffi, ct, arr, code, ne, nb):
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("N", [1, 3], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("t", WEIGHTS, ids=lambda t: t.name)
-def test_portable_build_matches_ggml(portable_lib, t):
+def test_portable_build_matches_ggml(portable_lib, t, N):
     """mul_mat (the src1 conversion record, then MUL_MAT) and get_rows of the portable C against
-    ggml: NMSE 1e-10 and bit for bit."""
+    ggml: NMSE 1e-10 and bit for bit. By 1 column and by 3: the half types' converted rows differ
+    (mg_work_type: half rows for a matrix x vector, f32-held ones by several columns)."""
     ffi, lib, codes = portable_lib
     rng = np.random.default_rng(9)
     tc = cpu._TYPE_CODES[t]
     K = 2 * t.blck_size if t.is_quantized else 77
-    M, N = 11, 3
+    M = 11
     b = Built(Context())
     w = b.leaf(t, (K, M), rng=rng)
     x = b.leaf(f32, (K, N), rng=rng)
@@ -359,7 +361,7 @@ def test_portable_build_matches_ggml(portable_lib, t):
     wraw = np.ascontiguousarray(b.data[w]).view(np.uint8).reshape(M, -1)
     xs = np.ascontiguousarray(b.data[x], np.float32).reshape(N, K)
     rs = wraw.shape[1]
-    wt, wrow = lib.mg_work_type(tc), lib.mg_work_row_bytes(tc, K)
+    wt, wrow = lib.mg_work_type(tc, N), lib.mg_work_row_bytes(tc, K, N)
     work = np.zeros(N * wrow + 64, np.uint8)
     out = np.zeros((N, M), np.float32)
     recs = ffi.new("mg_node[2]")

@@ -285,11 +285,11 @@ class CpuBackend(HostBackend):
     def _work_layout(node):
         """(type code, ne, nb) of the converted src1 of a MUL_MAT node: contiguous rows in the
         layout the C kernels chose for the weights' type (quant.h: ggml's vec_dot_type blocks,
-        or for q4_0 the same q8_0 values laid out for its dot product, or for f16 and bf16 the
-        half values held as f32, so that the dot products convert only the weights)."""
+        or for q4_0 the same q8_0 values laid out for its dot product, or for f16 and bf16 by several
+        columns the half values held as f32, so that the dot products convert only the weights)."""
         a, b = srcs_of(node)["a"], srcs_of(node)["b"]
-        code = lib.mg_work_type(_TYPE_CODES[a.type])
-        row = int(lib.mg_work_row_bytes(_TYPE_CODES[a.type], b.ne[0]))
+        code = lib.mg_work_type(_TYPE_CODES[a.type], b.ne[1])
+        row = int(lib.mg_work_row_bytes(_TYPE_CODES[a.type], b.ne[0], b.ne[1]))
         blck = a.type.vec_dot_type.blck_size
         return code, b.ne, (row // max(1, b.ne[0] // blck) if b.ne[0] else row, row, row * b.ne[1],
                             row * b.ne[1] * b.ne[2])

@@ -77,10 +77,11 @@ int mg_quant_simd(void);    /* 1 when the half / block-type kernels run their AV
 /* weight rows that the kernel for weights of type t computes at once, one per vector lane: 1 is
  * ggml's lane order (one row's partial sums across lanes); q4_K on AVX-512 VNNI + VBMI builds: 8 */
 int mg_quant_row_group(int t);
-/* MUL_MAT with weights of type t (enum mg_type) and an f32 src1: the type code of src1's rows
- * once converted (-1: no conversion, f32 weights) and the bytes of one converted row of k values */
-int mg_work_type(int t);
-int64_t mg_work_row_bytes(int t, int64_t k);
+/* MUL_MAT with weights of type t (enum mg_type) and an f32 src1 of n_cols rows per weight plane:
+ * the type code of src1's rows once converted (-1: no conversion, f32 weights) and the bytes of
+ * one converted row of k values. Only the speed depends on n_cols, never a result. */
+int mg_work_type(int t, int64_t n_cols);
+int64_t mg_work_row_bytes(int t, int64_t k, int64_t n_cols);
 /* an f32 MUL_MAT given as a record with src[0] = a, src[1] = b, src[2] = dst (the layout of the
  * step MUL_MAT:pack_src1): the floats of b's packed copy its prefill path reads (0: that path
  * does not run for this shape, no copy) */

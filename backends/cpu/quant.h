@@ -65,9 +65,11 @@ static inline float mg_bf16_to_fp32(uint16_t h) {
 typedef struct { float d; int32_t nsum; int8_t qs[MG_QK8_0]; } mg_block_q8_0s;
 
 /* MG_F16F, MG_BF16F: f32 values that are exactly f16 (bf16) ones, for the f16 (bf16) weights' dot
- * products: src1 rounded to the half type as ggml converts it, then widened back (exactly) once
- * per converted row, so the dot products convert only the weights. The products and sums are the
- * same as with half rows; the conversions, which bound those loops, are halved. */
+ * products by several columns: src1 rounded to the half type as ggml converts it, then widened
+ * back (exactly) once per converted row, so the dot products convert only the weights. The
+ * products and sums are the same as with half rows; the conversions, which bound those loops,
+ * are halved. A matrix x vector keeps half rows: there the f32 row, twice the bytes, read again
+ * for every weight row, cost more than the conversions it saves (mg_work_type). */
 
 /* MG_Q8_KP: q8_K blocks (ggml's q8_K conversion: the same values and scale) for the q4_K weights'
  * AVX2 dot product, whose mins term takes the sums of each 32 values: bsums[0..7] hold those 8 sums
