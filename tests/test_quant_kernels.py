@@ -208,15 +208,15 @@ def test_mul_mat_is_batch_invariant(t, n_threads):
 def test_mul_mat_row_result_does_not_depend_on_its_tile(t):
     """A weight row's outputs are the same bits whichever kernel computes it: dropping the first
     rows moves every row to another place in the row tiles (q4_K, q6_K: from an 8-row tile or
-    panel to the one-row kernel and back), by 1, 3, 6 and 17 columns (on AVX2, the 8-row kernels of
-    q8_0 and q4_K transpose each block on the way below 4 columns and read packed panels from 4 on;
-    with AVX-512 VNNI + VBMI, q4_K reads packed panels from 8 columns on)."""
+    panel to the one-row kernel and back), by 1, 3, 6, 17 and 30 columns (on AVX2, the 8-row kernels
+    of q8_0 and q4_K transpose each block on the way below 4 columns and read packed panels from 4
+    on; with AVX-512 VNNI + VBMI, q4_K reads packed panels from 8 columns on, q6_K from 24)."""
     rng = np.random.default_rng(12)
     K = 3 * t.blck_size if t.is_quantized else 80
     M = 27
     wdata = rng.standard_normal((M, K)).astype(np.float32)
     wdata = wdata.astype(np.float16) if t == f16 else np.asarray(mg.quantize(wdata, t)).view(t.np_dtype).reshape(M, -1)
-    for n in (1, 3, 6, 17):
+    for n in (1, 3, 6, 17, 30):
         x = rng.standard_normal((n, K)).astype(np.float32)
         outs = []
         for skip in (0, 1, 3, 5):

@@ -20,7 +20,8 @@
  * Speed: matrix x vector is a stream over the weights (see QPF below) or over 8 rows at a time;
  * with more src1 rows the outputs are computed in register tiles (run_tiles): 8 weight rows by
  * C columns where a type has 8-row kernels, packed once per job into panels (run_panels) from
- * PANEL_MIN_N columns on (q8_0 and q4_K on MG_PANELS builds, q4_K on MG_KROWS ones); otherwise
+ * PANEL_MIN_N columns on (q8_0 and q4_K on MG_PANELS builds, q4_K on MG_KROWS ones, and q6_K there
+ * from Q6K_PANEL_MIN_N); otherwise
  * one weight row against CMAX columns, so that a weight block is loaded and unpacked once for
  * several converted rows.
  *
@@ -870,17 +871,24 @@ PANEL_TILES(q8_0, mg_block_q8_0)
  * and the tiles (by 1..PANEL_C columns) */
 typedef struct {
     int64_t block_values;
+    int64_t min_n;   /* from this many converted rows on (PANEL_MIN_N, or the type's own) */
     size_t panel_bytes;
     void (*pack)(const char *xrow, size_t xs, int64_t nb, void *pan);
     void (*cols)(int64_t nb, const void *pan, const void *const *ys, int C, float *o);
 } panel_kind;
-static const panel_kind q4_K_panels = {MG_QK_K, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
+static const panel_kind q4_K_panels = {MG_QK_K, PANEL_MIN_N, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
 #if MG_PANELS
-static const panel_kind q8_0_panels = {MG_QK8_0, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
+static const panel_kind q8_0_panels = {MG_QK8_0, PANEL_MIN_N, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
 #endif
 /* the types with panels on this build, and theirs */
+#ifdef MG_KROWS
+static const panel_kind q6_K_panels;   /* defined with the q6_K kernels below */
+#endif
 static const panel_kind *panels_of(int t) {
     if (t == MG_Q4_K) return &q4_K_panels;
+#ifdef MG_KROWS
+    if (t == MG_Q6_K) return &q6_K_panels;
+#endif
 #if MG_PANELS
     if (t == MG_Q8_0) return &q8_0_panels;
 #endif
@@ -1163,6 +1171,105 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
 #endif
 
 #ifdef MG_KROWS
+/* ---- q6_K panels (MG_KROWS builds): tile_q6_K_8's lanes and sums, the 8 rows' values
+ * unpacked and transposed once per job instead of once per CMAX columns (run_panels). The
+ * block's integer sum is the same exact int32 and goes into the same one fma per block, so an
+ * output has the tile's and dot_q6_K_512's bits. */
+typedef struct {
+    __m256i w[16][4];   /* [sub-block j][k]: lane r = row r's values 16j + 4k .. +3, unsigned (stored +32) */
+    __m256i sc[16];     /* lane r: row r's scale of sub-block j, as int32 */
+    __m256i sp[8];      /* lane r: row r's scales of sub-blocks 2t and 2t + 1, an int16 pair */
+    __m256 d;           /* the rows' super-scales */
+} q6_K_panel;
+
+/* one row's block as its 256 values in order, unsigned (0..63: ggml's value + 32) */
+static inline void q6_K_values(const mg_block_q6_K *x, uint8_t out[256]) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {   /* values 128h + 32q + l: a nibble of ql, bits 2q..2q+1 of qh */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+        for (int q = 0; q < 4; q++) {
+            const __m256i l = (q & 1) ? l1 : l0;
+            const __m256i lo = q < 2 ? _mm256_and_si256(l, m15) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m15);
+            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), m3), 4);
+            _mm256_storeu_si256((__m256i *)(out + 128 * h + 32 * q), _mm256_or_si256(lo, hi));
+        }
+    }
+}
+
+/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
+static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q6_K_panel *p = pan;
+    uint8_t vals[8][256] __attribute__((aligned(32)));
+    const char *rows[8];
+    for (int r = 0; r < 8; r++) rows[r] = (const char *)vals[r];
+    for (int64_t b = 0; b < nb; b++, p++) {
+        float d[8];
+        for (int r = 0; r < 8; r++) {
+            const mg_block_q6_K *x = (const mg_block_q6_K *)(xrow + (size_t)r * xs) + b;
+            q6_K_values(x, vals[r]);
+            for (int j = 0; j < 16; j++) ((int32_t *)&p->sc[j])[r] = x->scales[j];
+            for (int t = 0; t < 8; t++) {
+                ((int16_t *)&p->sp[t])[2 * r] = x->scales[2 * t];
+                ((int16_t *)&p->sp[t])[2 * r + 1] = x->scales[2 * t + 1];
+            }
+            d[r] = mg_fp16_to_fp32(x->d);
+        }
+        for (int g = 0; g < 8; g++) {   /* values 32g .. 32g + 31 of the 8 rows: dwords 8g .. 8g + 7 */
+            __m256i v[8];
+            load_rows_transposed(rows, 32 * (size_t)g, v);
+            for (int k = 0; k < 8; k++) _mm256_store_si256(&p->w[0][0] + 8 * g + k, v[k]);
+        }
+        p->d = _mm256_loadu_ps(d);
+    }
+}
+
+/* acc[c] + one packed block of 8 rows against the blocks y[c] (MG_Q8_K): tile_q6_K_8's sums */
+static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_panel *p, const mg_block_q8_K *const *y,
+                                                                   const int C, __m256 *acc) {
+    __m256i s[TMAX];
+    /* the +32 of the stored values: start from -32 * sum(scale * bsum), pairs of sub-blocks */
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        __m256i m = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            int32_t pair;
+            memcpy(&pair, y[c]->bsums + 2 * t, 4);
+            m = _mm256_dpwssd_epi32(m, _mm256_load_si256(&p->sp[t]), _mm256_set1_epi32(pair));
+        }
+        s[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
+    }
+    /* a sub-block per pass, not unrolled (as q4_K_panel_block: the op cache) */
+#pragma GCC unroll 1
+    for (int j = 0; j < 16; j++) {
+        __m256i a[TMAX];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256i w = _mm256_load_si256(&p->w[j][k]);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) a[c] = dpbusd_bcast(a[c], w, y[c]->qs + 16 * j + 4 * k);
+        }
+        const __m256i sc = _mm256_load_si256(&p->sc[j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_mullo_epi32(a[c], sc));
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++)
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_mul_ps(p->d, _mm256_set1_ps(y[c]->d)), acc[c]);
+}
+PANEL_TILES(q6_K, mg_block_q8_K)
+/* the packing (an unpack, a transposition and the scales in lanes) pays back later than q4_K's:
+ * K1024 M4608, 1 thread, Zen 4, tiles against panels: by 16 1.07 / 1.07-1.11 ms; by 24 1.55 /
+ * 1.46-1.49; by 32 2.16-2.81 / 1.91-1.99; by 64 4.19-4.23 / 3.52-3.79; by 512 35.1-36.1 / 24.9-25.3 */
+#define Q6K_PANEL_MIN_N 24
+static const panel_kind q6_K_panels = {MG_QK_K, Q6K_PANEL_MIN_N, sizeof(q6_K_panel), q6_K_panel_pack, q6_K_panel_cols};
+#endif
+
+#ifdef MG_KROWS
 /* ---- q8_0 weights x MG_Q8_0S rows: 8 rows per lane ----
  * As tile_q4_K_8: lane r = weight row r, the rows' bytes transposed into lanes, one vpdpbusd
  * against 4 broadcast converted values multiplies 8 rows. vpdpbusd takes the weights unsigned:
@@ -1398,7 +1505,8 @@ static inline __attribute__((always_inline)) void row_tile(int t, int64_t K, con
 ROW_TILES(q4_0, MG_Q4_0, CMAX)
 #if defined(MG_KROWS) || MG_PANELS
 /* 8 rows by C columns (q8_0, q4_K, q6_K on MG_KROWS builds; q8_0 and q4_K on MG_PANELS ones;
- * from PANEL_MIN_N columns on, the panels take q4_K on both and q8_0 on MG_PANELS ones); the
+ * from PANEL_MIN_N columns on, the panels take q4_K on both and q8_0 on MG_PANELS ones, and
+ * from Q6K_PANEL_MIN_N q6_K on MG_KROWS ones); the
  * rows left over by the one-row kernels,
  * which follow the same chain on these builds; matrix x vector by 8-row tiles where vec_tiles
  * (q4_K, K1024 M4608, 1 thread: 0.10 against 0.19 ms in cache, 23.6 against 15.8 GB/s from
@@ -1481,7 +1589,7 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
     /* one panel in the thread's scratch; without it the one-row kernels (the same bits) */
     const panel_kind *pk = panels_of(a->type);
     void *pan = NULL;
-    if (pk && N >= PANEL_MIN_N && K > 0 && j0 < j1) pan = mg_thread_scratch((size_t)(K / pk->block_values) * pk->panel_bytes);
+    if (pk && N >= pk->min_n && K > 0 && j0 < j1) pan = mg_thread_scratch((size_t)(K / pk->block_values) * pk->panel_bytes);
 #endif
     for (int64_t job = j0; job < j1; job++) {
         const int64_t mb = job % mblk, p = job / mblk;
