@@ -407,6 +407,20 @@ static inline __m256i dpbusd_bcast(__m256i acc, __m256i w, const void *p) {
     return acc;
 }
 
+/* a[c] = the 4 lane vectors w[0..3] (4 values of 8 rows each) against the 16 converted values of
+ * column c from off: the panels' inner step (q4_K_panel_block, q6_K_panel_block) */
+static inline __attribute__((always_inline)) void dots4_panel(const __m256i *w, const mg_block_q8_K *const *y,
+                                                              int64_t off, const int C, __m256i *a) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m256i wk = _mm256_load_si256(w + k);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) a[c] = dpbusd_bcast(a[c], wk, y[c]->qs + off + 4 * k);
+    }
+}
+
 /* word r = the fp16 at d0 + r * xs, for the 8 rows r (one masked load each: no other byte is
  * read, and nothing goes through memory, where a store-then-load would stall) */
 static inline __attribute__((always_inline)) __m128i load_halves_8(const char *d0, size_t xs) {
@@ -648,14 +662,7 @@ static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_pa
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m256i a[TMAX];
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int k = 4 * h; k < 4 * h + 4; k++) {
-                const __m256i w = _mm256_load_si256(&p->w[j][k]);
-#pragma GCC unroll 8
-                for (int c = 0; c < C; c++) a[c] = dpbusd_bcast(a[c], w, y[c]->qs + 32 * j + 4 * k);
-            }
+            dots4_panel(&p->w[j][4 * h], y, 32 * j + 16 * h, C, a);
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++) s[c] = _mm256_dpwssd_epi32(s[c], a[c], p->sc[j]);
         }
@@ -1245,14 +1252,7 @@ static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_pa
 #pragma GCC unroll 1
     for (int j = 0; j < 16; j++) {
         __m256i a[TMAX];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const __m256i w = _mm256_load_si256(&p->w[j][k]);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) a[c] = dpbusd_bcast(a[c], w, y[c]->qs + 16 * j + 4 * k);
-        }
+        dots4_panel(p->w[j], y, 16 * j, C, a);
         const __m256i sc = _mm256_load_si256(&p->sc[j]);
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) s[c] = _mm256_add_epi32(s[c], _mm256_mullo_epi32(a[c], sc));
