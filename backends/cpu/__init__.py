@@ -213,8 +213,6 @@ class CpuBackend(HostBackend):
         for name, s in srcs_of(node).items():
             if s is not None and s.type not in _PLAIN and s.type not in extra.get(name, ()):
                 return False
-        if node.op == "MUL_MAT" and srcs_of(node)["b"].type != f32:
-            return False   # the kernels read src1 converted into their own work rows (mg_work_type)
         return node.type in _PLAIN or node.type in _WIDE_RESULT.get(node.op, ())
 
     @staticmethod

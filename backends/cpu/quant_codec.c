@@ -211,17 +211,13 @@ void mg_from_f32_row(int t, const char *src, int64_t snb, void *dst, int64_t n) 
     const int dense = snb == 4;
     switch (t) {
         case MG_F16: mg_convert_row(dst, 2, MG_F16, src, snb, MG_F32, n); return;
-        case MG_F16F: case MG_BF16F: {   /* quant.h: rounded to the half type, widened back */
-            float *d = dst;
+        case MG_F16F: case MG_BF16F: {   /* quant.h: the half type's row, widened back */
+            const int half = t == MG_F16F ? MG_F16 : MG_BF16;
             uint16_t h[MG_QK_K];
             for (int64_t i = 0; i < n; i += MG_QK_K) {
                 const int64_t m = mg_min64(MG_QK_K, n - i);
-                if (t == MG_F16F) {
-                    mg_convert_row((char *)h, 2, MG_F16, src + i * snb, snb, MG_F32, m);
-                    mg_convert_row((char *)(d + i), 4, MG_F32, (const char *)h, 2, MG_F16, m);
-                } else {
-                    for (int64_t j = 0; j < m; j++) d[i + j] = mg_bf16_to_fp32(mg_fp32_to_bf16(mg_load_f32(src + (i + j) * snb)));
-                }
+                mg_from_f32_row(half, src + i * snb, snb, h, m);
+                mg_to_f32_row(half, h, (float *)dst + i, m);
             }
             return;
         }
