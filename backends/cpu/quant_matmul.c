@@ -1090,6 +1090,32 @@ static inline __attribute__((always_inline)) void load_rows_t(const char *const 
     for (int k = 0; k < 8; k++) _mm256_store_si256(t + k, v[k]);
 }
 
+/* the q6_K values 32q + l (l < 32 bytes at a time) of a half-block, unsigned (0..63): a nibble of
+ * ql (l0: ql[l], l1: ql[l + 32]; low nibbles for q < 2), bits 2q..2q+1 of qh[l] above it. Bytes in
+ * any arrangement, as long as l0, l1 and qh line up (the tiles: 8 rows transposed; the panels'
+ * packing: one row in order) */
+static inline __attribute__((always_inline)) __m256i q6_K_value_bytes(__m256i l0, __m256i l1, __m256i qh, int q) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const __m256i l = (q & 1) ? l1 : l0;
+    const __m256i lo = q < 2 ? _mm256_and_si256(l, m15) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m15);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), m3), 4);
+    return _mm256_or_si256(lo, hi);
+}
+
+/* a block's start for 8 rows against a converted block's sums of 16 values (bsums): the values are
+ * stored +32, so -32 * sum(scale * bsum); sp[t], lane r: row r's scales of sub-blocks 2t and
+ * 2t + 1, an int16 pair */
+static inline __attribute__((always_inline)) __m256i q6_K_offset_sums(const __m256i sp[8], const int16_t *bsums) {
+    __m256i m = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        int32_t pair;
+        memcpy(&pair, bsums + 2 * t, 4);
+        m = _mm256_dpwssd_epi32(m, sp[t], _mm256_set1_epi32(pair));
+    }
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
+}
+
 static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const char *xrow, size_t xs,
                                                               const void *const *ys, const int C, float *out) {
     const mg_block_q6_K *xr[8];
@@ -1097,7 +1123,6 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q6_K *)(xrow + (size_t)r * xs);
     const __m512i sc_a = _mm512_load_si512(Q6K_SC_T[0]), sc_b = _mm512_load_si512(Q6K_SC_T[1]);
     const __m512i pr_a = _mm512_load_si512(Q6K_PAIR_T[0]), pr_b = _mm512_load_si512(Q6K_PAIR_T[1]);
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     __m256 acc[TMAX];
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
@@ -1120,21 +1145,11 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
         _mm512_store_si512(sct + 64, _mm512_permutex2var_epi8(s0, sc_b, s1));
         _mm512_store_si512(spt, _mm512_permutex2var_epi8(s0, pr_a, s1));
         _mm512_store_si512(spt + 64, _mm512_permutex2var_epi8(s0, pr_b, s1));
-        /* the +32 of the stored values: start from -32 * sum(scale * bsum), pairs of sub-blocks */
-        __m256i s[TMAX];
+        __m256i sp[8], s[TMAX];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; c++) {
-            const int16_t *bs = ((const mg_block_q8_K *)ys[c] + b)->bsums;
-            __m256i m = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) sp[t] = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(spt + 16 * t)));
 #pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                int32_t pair;
-                memcpy(&pair, bs + 2 * t, 4);
-                m = _mm256_dpwssd_epi32(m, _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(spt + 16 * t))),
-                                        _mm256_set1_epi32(pair));
-            }
-            s[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
-        }
+        for (int c = 0; c < C; c++) s[c] = q6_K_offset_sums(sp, ((const mg_block_q8_K *)ys[c] + b)->bsums);
         for (int h = 0; h < 2; h++) {   /* 128 values: ql[64h..64h+63], qh[32h..32h+31] */
             load_rows_t(ql, 64 * h, tl1);
             load_rows_t(ql, 64 * h + 32, tl2);
@@ -1151,10 +1166,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
                     for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
 #pragma GCC unroll 4
                     for (int k = 4 * u; k < 4 * u + 4; k++) {
-                        const __m256i l = (q & 1) ? tl2[k] : tl1[k];
-                        const __m256i lo = q < 2 ? _mm256_and_si256(l, m15) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m15);
-                        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(th[k], 2 * q), m3), 4);
-                        const __m256i w = _mm256_or_si256(lo, hi);
+                        const __m256i w = q6_K_value_bytes(tl1[k], tl2[k], th[k], q);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; c++) {
                             a[c] = dpbusd_bcast(a[c], w, ((const mg_block_q8_K *)ys[c] + b)->qs + 128 * h + 32 * q + 4 * k);
@@ -1191,17 +1203,12 @@ typedef struct {
 
 /* one row's block as its 256 values in order, unsigned (0..63: ggml's value + 32) */
 static inline void q6_K_values(const mg_block_q6_K *x, uint8_t out[256]) {
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {   /* values 128h + 32q + l: a nibble of ql, bits 2q..2q+1 of qh */
+    for (int h = 0; h < 2; h++) {   /* values 128h + 32q + l */
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
-        for (int q = 0; q < 4; q++) {
-            const __m256i l = (q & 1) ? l1 : l0;
-            const __m256i lo = q < 2 ? _mm256_and_si256(l, m15) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m15);
-            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), m3), 4);
-            _mm256_storeu_si256((__m256i *)(out + 128 * h + 32 * q), _mm256_or_si256(lo, hi));
-        }
+        for (int q = 0; q < 4; q++)
+            _mm256_storeu_si256((__m256i *)(out + 128 * h + 32 * q), q6_K_value_bytes(l0, l1, qh, q));
     }
 }
 
@@ -1236,18 +1243,8 @@ static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
 static inline __attribute__((always_inline)) void q6_K_panel_block(const q6_K_panel *p, const mg_block_q8_K *const *y,
                                                                    const int C, __m256 *acc) {
     __m256i s[TMAX];
-    /* the +32 of the stored values: start from -32 * sum(scale * bsum), pairs of sub-blocks */
 #pragma GCC unroll 8
-    for (int c = 0; c < C; c++) {
-        __m256i m = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            int32_t pair;
-            memcpy(&pair, y[c]->bsums + 2 * t, 4);
-            m = _mm256_dpwssd_epi32(m, _mm256_load_si256(&p->sp[t]), _mm256_set1_epi32(pair));
-        }
-        s[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
-    }
+    for (int c = 0; c < C; c++) s[c] = q6_K_offset_sums(p->sp, y[c]->bsums);
     /* a sub-block per pass, not unrolled (as q4_K_panel_block: the op cache) */
 #pragma GCC unroll 1
     for (int j = 0; j < 16; j++) {
