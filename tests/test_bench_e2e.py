@@ -247,3 +247,34 @@ def test_a_refused_row_says_where_ggmls_dot_product_order_lands(e2e):
     note = e2e.ggml_order_note(ref, llama, floats)
     assert note == "; the ref backend (ggml's dot-product order) measures 0.5 x, calls exact 1/2", note
     assert e2e.ggml_order_note({"error": "timed out"}, llama, floats) == "; ref backend failed: timed out"
+
+
+def test_ggmls_own_dot_order_can_lift_the_bound(e2e):
+    """A row beyond 1.5 x both spreads passes when the ref backend (ggml's vec_dot order) lands
+    about as far from llama.cpp: within REF_SLACK x its NMSE; beyond that, or with the ref
+    backend failed, the refusal stands, and float products are still refused."""
+    import numpy as np
+    e = np.eye(8)
+
+    def outs(v):
+        return [{0: v}]
+    llama = 10 * e[0]
+    floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
+    variant = llama + np.sqrt(0.5) * e[3]                        # llama.cpp's own spread: 0.5 x
+    mine = llama + np.sqrt(0.78) * e[2]                          # 0.78 x: above 1.5 x 0.5
+    perturbed = mine + np.sqrt(0.5) * e[4]                       # rounding: 0.5 x
+    args = (outs(mine), outs(llama), outs(floats), outs(variant), outs(perturbed))
+    assert "not ggml's arithmetic" in e2e.arithmetic_check("q8_0", *args)[0]
+    ref = llama + np.sqrt(0.77) * e[5]
+    refusal, note = e2e.arithmetic_check("q8_0", *args, outs(ref))
+    assert refusal is None and "ggml's dot order (ref backend) 0.77 x" in note and "bound 0.85" in note, note
+    near = llama + np.sqrt(0.6) * e[5]                           # 1.1 x 0.6 = 0.66 < 0.78
+    refusal, _ = e2e.arithmetic_check("q8_0", *args, outs(near))
+    assert refusal and "not ggml's arithmetic" in refusal, refusal
+    refusal, _ = e2e.arithmetic_check("q8_0", *args, {"error": "died"})
+    assert refusal and "ggml's dot order failed: died" in refusal, refusal
+    # float products stay refused, however far the ref backend lands
+    products = floats + 0.01 * e[6]
+    refusal, _ = e2e.arithmetic_check("q8_0", outs(products), outs(llama), outs(floats), outs(variant),
+                                      outs(products + 1e-4 * e[7]), outs(llama + 2 * e[5]))
+    assert refusal and "nearer float products" in refusal, refusal
