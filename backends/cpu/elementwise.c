@@ -15,7 +15,9 @@
  * is exact. Otherwise (also NaN) x is clamped to [-104, 89] (exp rounds to 0 below and to inf
  * above), the same steps are redone, and 2^n is applied as two exact powers of two (2^(n>>1), then
  * 2^(n-(n>>1))): overflow gives inf, a subnormal result is rounded once, NaN stays NaN. For |n| <= 125
- * both scalings give the same bits, so a lane's result does not depend on its neighbours.
+ * both scalings give the same bits, so a lane's result does not depend on its neighbours. The
+ * AVX-512 form clamps every lane and scales by vscalefps, which gives those same bits without the
+ * test and branch (SILU [4096, 64], 1 thread, Zen 4: 82.6 -> 62.6 us; ggml 85.0).
  * Measured: at most 1 ulp from float64 exp rounded to f32 (tests/test_exp_ulp.py checks <= 2 over
  * random and edge inputs). Every path (AVX-512, AVX2, the scalar loop for row tails and non-AVX
  * builds) does the same operations in the same order with the same roundings (fmaf is the same
@@ -121,19 +123,14 @@ static inline __m256 exp8(__m256 x) {
 #if defined(__AVX512F__)
 EXP_VEC(__m512, _mm512, __m512i, 512)
 static inline __m512 exp16(__m512 x) {
+    /* clamped, then 2^n by vscalefps: exact for a normal result, one rounding for a subnormal
+     * one, inf past the top: the bits of both scalings above, with no branch (min/max return x
+     * when it is NaN, and scalef keeps the NaN) */
+    x = _mm512_min_ps(_mm512_set1_ps(EXP_HI), x);
+    x = _mm512_max_ps(_mm512_set1_ps(EXP_LO), x);
     __m512 z;
     const __m512 p = exp_core_512(x, &z);
-    const __m512 nf = _mm512_sub_ps(z, _mm512_set1_ps(EXP_MAGIC));
-    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(nf), _mm512_set1_ps(125.0f), _CMP_NLE_UQ);
-    const __m512 fast = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p),
-                                                             _mm512_slli_epi32(_mm512_castps_si512(z), 23)));
-    if (__builtin_expect(big != 0, 0)) {
-        /* lanes at or below EXP_LO (-inf: a masked attention score) are +0 on the slow path too */
-        const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LE_OQ);
-        if ((big & (__mmask16)~under) != 0) return exp_slow_512(x);
-        return _mm512_maskz_mov_ps((__mmask16)~under, fast);
-    }
-    return fast;
+    return _mm512_scalef_ps(p, _mm512_sub_ps(z, _mm512_set1_ps(EXP_MAGIC)));
 }
 #endif
 
