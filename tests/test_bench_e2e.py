@@ -174,30 +174,37 @@ def test_a_worker_peak_rss_is_its_own_not_its_parents(tmp_path):
     assert int(out.stdout.split()[-1]) < 300 << 20, out.stdout
 
 
+def _one_call(v):
+    """outputs of one call of one sequence (the arithmetic check's input form)"""
+    return [{0: v}]
+
+
 def test_arithmetic_check_bounds_by_llama_cpps_own_spread(e2e):
     """A quantized row passes within NMSE_BOUND or SPREAD_SLACK x llama.cpp's own spread (of the
     float model's NMSE), and only while minigraph is nearer llama.cpp than the float model.
     Outputs built on orthogonal directions, so every NMSE is known exactly."""
     import numpy as np
     e = np.eye(6)
-
-    def outs(v):
-        return [{0: v}]
     llama = 10 * e[0]
     floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
     mine = llama + np.sqrt(0.8) * e[2]                           # 0.8 x the float model's
     variant = llama + np.sqrt(0.7) * e[3]                        # llama.cpp's own spread: 0.7 x
     assert e2e.NMSE_BOUND["q8_0"] < 0.8 < e2e.SPREAD_SLACK * 0.7
-    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant))
+    refusal, note = e2e.arithmetic_check("q8_0", _one_call(mine), _one_call(llama), _one_call(floats),
+                                         _one_call(variant))
     assert refusal is None and "llama.cpp 0.70 x" in note and "0.80 x float products" in note, note
     # without the variant only the fixed bound holds
-    refusal, _ = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), {"error": "refused"})
+    refusal, _ = e2e.arithmetic_check("q8_0", _one_call(mine), _one_call(llama), _one_call(floats),
+                                      {"error": "refused"})
     assert refusal and "not ggml's arithmetic" in refusal, refusal
     # an engine of float products: within the bound, but nearer the float model than llama.cpp
-    refusal, _ = e2e.arithmetic_check("q8_0", outs(floats + 0.01 * e[4]), outs(llama), outs(floats), outs(variant))
+    refusal, _ = e2e.arithmetic_check("q8_0", _one_call(floats + 0.01 * e[4]), _one_call(llama), _one_call(floats),
+                                      _one_call(variant))
     assert refusal and "nearer float products" in refusal, refusal
     # llama.cpp's own arithmetic: passes
-    assert e2e.arithmetic_check("q8_0", outs(llama + 1e-3 * e[5]), outs(llama), outs(floats), outs(variant))[0] is None
+    own = e2e.arithmetic_check("q8_0", _one_call(llama + 1e-3 * e[5]), _one_call(llama), _one_call(floats),
+                               _one_call(variant))
+    assert own[0] is None
 
 
 def test_arithmetic_check_takes_the_models_rounding_spread_into_account(e2e):
@@ -207,31 +214,28 @@ def test_arithmetic_check_takes_the_models_rounding_spread_into_account(e2e):
     the float model) still are, and so is a row beyond the spread."""
     import numpy as np
     e = np.eye(8)
-
-    def outs(v):
-        return [{0: v}]
     llama = 10 * e[0]
     floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
     variant = llama + np.sqrt(0.3) * e[3]                        # llama.cpp's own spread: 0.3 x
     mine = llama + 0.6 * e[1] + np.sqrt(0.95 - 0.36) * e[2]      # 0.95 x, and 0.75 x from the floats
     perturbed = mine + np.sqrt(0.9) * e[4]                       # rounding carries it ~0.9 x
-    assert e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant))[0]
-    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant),
-                                         outs(perturbed))
+    assert e2e.arithmetic_check("q8_0", _one_call(mine), _one_call(llama), _one_call(floats), _one_call(variant))[0]
+    refusal, note = e2e.arithmetic_check("q8_0", _one_call(mine), _one_call(llama), _one_call(floats), _one_call(variant),
+                                         _one_call(perturbed))
     assert refusal is None and "rounding 0.89 x" in note and "bound 1.34" in note, note
     # float products: next to the float model, and rounding carries them nowhere
     products = floats + 0.01 * e[5]
     wide = llama + np.sqrt(0.7) * e[3]                           # a bound of 1.05: the ratio passes
-    refusal, _ = e2e.arithmetic_check("q8_0", outs(products), outs(llama), outs(floats), outs(wide),
-                                      outs(products + 1e-4 * e[7]))
+    refusal, _ = e2e.arithmetic_check("q8_0", _one_call(products), _one_call(llama), _one_call(floats), _one_call(wide),
+                                      _one_call(products + 1e-4 * e[7]))
     assert refusal and "nearer float products" in refusal, refusal
     # beyond 1.5 x the spread
     far = llama + np.sqrt(1.4) * e[6]
-    refusal, _ = e2e.arithmetic_check("q8_0", outs(far), outs(llama), outs(floats), outs(variant),
-                                      outs(far + np.sqrt(0.9) * e[4]))
+    refusal, _ = e2e.arithmetic_check("q8_0", _one_call(far), _one_call(llama), _one_call(floats), _one_call(variant),
+                                      _one_call(far + np.sqrt(0.9) * e[4]))
     assert refusal and "not ggml's arithmetic" in refusal, refusal
     # a reference that failed counts for nothing
-    refusal, note = e2e.arithmetic_check("q8_0", outs(mine), outs(llama), outs(floats), outs(variant),
+    refusal, note = e2e.arithmetic_check("q8_0", _one_call(mine), _one_call(llama), _one_call(floats), _one_call(variant),
                                          {"error": "died"})
     assert refusal and "rounding failed: died" in refusal, refusal
 
@@ -255,26 +259,23 @@ def test_ggmls_own_dot_order_can_lift_the_bound(e2e):
     backend failed, the refusal stands, and float products are still refused."""
     import numpy as np
     e = np.eye(8)
-
-    def outs(v):
-        return [{0: v}]
     llama = 10 * e[0]
     floats = llama + e[1]                                        # NMSE 0.01 from llama.cpp
     variant = llama + np.sqrt(0.5) * e[3]                        # llama.cpp's own spread: 0.5 x
     mine = llama + np.sqrt(0.78) * e[2]                          # 0.78 x: above 1.5 x 0.5
     perturbed = mine + np.sqrt(0.5) * e[4]                       # rounding: 0.5 x
-    args = (outs(mine), outs(llama), outs(floats), outs(variant), outs(perturbed))
+    args = (_one_call(mine), _one_call(llama), _one_call(floats), _one_call(variant), _one_call(perturbed))
     assert "not ggml's arithmetic" in e2e.arithmetic_check("q8_0", *args)[0]
     ref = llama + np.sqrt(0.77) * e[5]
-    refusal, note = e2e.arithmetic_check("q8_0", *args, outs(ref))
+    refusal, note = e2e.arithmetic_check("q8_0", *args, _one_call(ref))
     assert refusal is None and "ggml's dot order (ref backend) 0.77 x" in note and "bound 0.85" in note, note
     near = llama + np.sqrt(0.6) * e[5]                           # 1.1 x 0.6 = 0.66 < 0.78
-    refusal, _ = e2e.arithmetic_check("q8_0", *args, outs(near))
+    refusal, _ = e2e.arithmetic_check("q8_0", *args, _one_call(near))
     assert refusal and "not ggml's arithmetic" in refusal, refusal
     refusal, _ = e2e.arithmetic_check("q8_0", *args, {"error": "died"})
     assert refusal and "ggml's dot order failed: died" in refusal, refusal
     # float products stay refused, however far the ref backend lands
     products = floats + 0.01 * e[6]
-    refusal, _ = e2e.arithmetic_check("q8_0", outs(products), outs(llama), outs(floats), outs(variant),
-                                      outs(products + 1e-4 * e[7]), outs(llama + 2 * e[5]))
+    refusal, _ = e2e.arithmetic_check("q8_0", _one_call(products), _one_call(llama), _one_call(floats), _one_call(variant),
+                                      _one_call(products + 1e-4 * e[7]), _one_call(llama + 2 * e[5]))
     assert refusal and "nearer float products" in refusal, refusal
