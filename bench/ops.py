@@ -265,7 +265,7 @@ class GgmlRunner:
         tensors = gf.leafs + gf.nodes
         size = max(64, 2 * len(tensors))
         mem = (lib.ggml_graph_overhead_custom(size, False) + (1 << 20)
-               + sum(lib.ggml_tensor_overhead() + t.type.row_size(t.ne[0]) * (t.nelements() // max(t.ne[0], 1)) + 64 for t in tensors))
+               + sum(lib.ggml_tensor_overhead() + t.nbytes() + 64 for t in tensors))
         self.ctx = lib.ggml_init({"mem_size": mem, "mem_buffer": ffi.NULL, "no_alloc": False})
         g = {}
         for leaf in gf.leafs:

@@ -71,8 +71,8 @@ static inline float exp1(float x) {
     return (p * u2f((uint32_t)(n1 + 127) << 23)) * u2f((uint32_t)(n - n1 + 127) << 23);
 }
 
-/* the vector forms: CORE computes z and p from x; the fast path adds n to p's exponent */
-#define EXP_VEC(V, P, SI, SUF)                                                                     \
+/* the vector forms' shared core: z and p from x (the scaling is each form's own) */
+#define EXP_CORE_VEC(V, P, SUF)                                                                     \
     static inline V exp_core_##SUF(V x, V *zo) {                                                   \
         const V z = P##_fmadd_ps(x, P##_set1_ps(EXP_LOG2E), P##_set1_ps(EXP_MAGIC));               \
         const V nf = P##_sub_ps(z, P##_set1_ps(EXP_MAGIC));                                        \
@@ -87,22 +87,23 @@ static inline float exp1(float x) {
         p = P##_fmadd_ps(p, r, P##_set1_ps(1.0f));                                                 \
         *zo = z;                                                                                   \
         return p;                                                                                  \
-    }                                                                                              \
-    static inline V exp_slow_##SUF(V x) {                                                          \
-        x = P##_min_ps(P##_set1_ps(EXP_HI), x);     /* min/max return x when it is NaN */          \
-        x = P##_max_ps(P##_set1_ps(EXP_LO), x);                                                    \
-        V z;                                                                                       \
-        const V p = exp_core_##SUF(x, &z);                                                         \
-        const SI n = P##_sub_epi32(P##_castps_si##SUF(z), P##_set1_epi32((int)0x4b400000));       \
-        const SI n1 = P##_srai_epi32(n, 1), n2 = P##_sub_epi32(n, n1);                             \
-        const SI b = P##_set1_epi32(127);                                                          \
-        const V s1 = P##_castsi##SUF##_ps(P##_slli_epi32(P##_add_epi32(n1, b), 23));               \
-        const V s2 = P##_castsi##SUF##_ps(P##_slli_epi32(P##_add_epi32(n2, b), 23));               \
-        return P##_mul_ps(P##_mul_ps(p, s1), s2);                                                  \
     }
 
 #if defined(__AVX2__) && defined(__FMA__)
-EXP_VEC(__m256, _mm256, __m256i, 256)
+EXP_CORE_VEC(__m256, _mm256, 256)
+/* the AVX2 form's slow path (a lane with |n| > 125, or NaN): clamped, 2^n as two exact powers of two */
+static inline __m256 exp_slow_256(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(EXP_HI), x);     /* min/max return x when it is NaN */
+    x = _mm256_max_ps(_mm256_set1_ps(EXP_LO), x);
+    __m256 z;
+    const __m256 p = exp_core_256(x, &z);
+    const __m256i n = _mm256_sub_epi32(_mm256_castps_si256(z), _mm256_set1_epi32((int)0x4b400000));
+    const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    const __m256i b = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, b), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, b), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
 static inline __m256 exp8(__m256 x) {
     __m256 z;
     const __m256 p = exp_core_256(x, &z);
@@ -121,7 +122,7 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 #if defined(__AVX512F__)
-EXP_VEC(__m512, _mm512, __m512i, 512)
+EXP_CORE_VEC(__m512, _mm512, 512)
 static inline __m512 exp16(__m512 x) {
     /* clamped, then 2^n by vscalefps: exact for a normal result, one rounding for a subnormal
      * one, inf past the top: the bits of both scalings above, with no branch (min/max return x
