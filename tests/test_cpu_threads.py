@@ -202,6 +202,65 @@ def test_default_is_every_core_this_process_may_use():
     assert cpu.CpuBackend(353).set_n_threads(np.int64(2)).n_threads == 2
 
 
+def _silu_run(n_cols, n_threads, backend_id):
+    """silu over [n_cols, 8] floats (cost 64 bytes a column: read and written) on a backend of
+    n_threads: (its result, the pool's parallel-run count that the compute added)."""
+    be = cpu.CpuBackend(backend_id).set_n_threads(n_threads)
+    ctx = Context()
+    a = ctx.new_tensor_2d(mg.f32, n_cols, 8).set_name("a")
+    out = mg.silu(a).set_name("out").set_output()
+    mg.alloc_ctx_tensors(ctx, be)
+    a.set(np.random.default_rng(n_cols).standard_normal((8, n_cols)).astype(np.float32))
+    gf = mg.Graph().build_forward_expand(out)
+    before = _pool_stats()[0]
+    be.graph_compute(gf)
+    return out.numpy(), _pool_stats()[0] - before
+
+
+def test_a_plan_with_little_split_work_runs_on_the_callers_thread():
+    """A node above the split threshold is split, but a plan whose split nodes add up to less than
+    1.5 x that threshold runs on one thread: a parallel run would cost more than it saves. With the
+    threshold at 100,000 bytes-equivalent: 128,000 (one node) stays serial, 256,000 goes parallel,
+    and both give the 1-thread bits."""
+    cpu.lib.mg_set_chunking(100_000, 16 << 10)
+    try:
+        for n_cols, parallel in ((2000, 0), (4000, 1)):
+            want, _ = _silu_run(n_cols, 1, 380)
+            got, runs = _silu_run(n_cols, 2, 381)
+            assert runs == parallel, (n_cols, runs)
+            assert np.array_equal(got, want)
+    finally:
+        cpu.lib.mg_set_chunking(-1, -1)
+
+
+def test_split_nodes_between_one_chunk_nodes_stay_exact():
+    """Default chunking: split nodes ([16, 4096] adds and scales) with one-chunk nodes (a [16, 64]
+    slice's exp and a sum of its rows) between them, each reading the one before. The workers skip
+    the one-chunk nodes and wait only for the node before the next split one; the results stay
+    those of one thread, run after run."""
+    x = np.random.default_rng(11).standard_normal((16, 4096)).astype(np.float32)
+    outs = []
+    for n, bid in ((1, 390), (2, 391)):
+        be = cpu.CpuBackend(bid).set_n_threads(n)
+        ctx = Context()
+        a = ctx.new_tensor_2d(mg.f32, 4096, 16).set_name("a")
+        h = a
+        for i in range(12):
+            h = mg.add(h, a) if i % 2 else mg.scale(h, 1.0 + 1e-3 * i)          # split
+            small = mg.exp(mg.view_2d(h, 64, 16, h.nb[1], 4 * 64 * (i % 8)))     # one chunk
+            h = mg.add(h, mg.sum_rows(mg.scale(small, 1e-3)))                     # split, after them
+        mg.alloc_ctx_tensors(ctx, be)
+        a.set(x)
+        gf = mg.Graph().build_forward_expand(h.set_output())
+        got = []
+        for _ in range(30):
+            be.graph_compute(gf)
+            got.append(h.numpy().tobytes())
+        outs.append(got)
+    assert all(g == outs[0][0] for g in outs[0])
+    assert all(g == outs[0][0] for g in outs[1])
+
+
 def test_a_forked_child_starts_its_own_workers():
     """the pool's threads do not survive fork(): the child must start new ones, not wait on ghosts"""
     import os
