@@ -202,19 +202,29 @@ def test_default_is_every_core_this_process_may_use():
     assert cpu.CpuBackend(353).set_n_threads(np.int64(2)).n_threads == 2
 
 
-def _silu_run(n_cols, n_threads, backend_id):
-    """silu over [n_cols, 8] floats (cost 64 bytes a column: read and written) on a backend of
-    n_threads: (its result, the pool's parallel-run count that the compute added)."""
+def _one_node_run(make, n_threads, backend_id):
+    """the graph make(ctx) -> (leaves, out) on a backend of n_threads, leaves filled with seeded
+    normals: (its result, the pool's parallel-run count that the compute added)."""
     be = cpu.CpuBackend(backend_id).set_n_threads(n_threads)
     ctx = Context()
-    a = ctx.new_tensor_2d(mg.f32, n_cols, 8).set_name("a")
-    out = mg.silu(a).set_name("out").set_output()
+    leaves, out = make(ctx)
+    out.set_output()
     mg.alloc_ctx_tensors(ctx, be)
-    a.set(np.random.default_rng(n_cols).standard_normal((8, n_cols)).astype(np.float32))
+    rng = np.random.default_rng(7)
+    for t in leaves:
+        t.set(rng.standard_normal(t.shape).astype(np.float32))
     gf = mg.Graph().build_forward_expand(out)
     before = _pool_stats()[0]
     be.graph_compute(gf)
     return out.numpy(), _pool_stats()[0] - before
+
+
+def _silu_run(n_cols, n_threads, backend_id):
+    """silu over [n_cols, 8] floats (cost 64 bytes a column: read and written)"""
+    def make(ctx):
+        a = ctx.new_tensor_2d(mg.f32, n_cols, 8)
+        return [a], mg.silu(a)
+    return _one_node_run(make, n_threads, backend_id)
 
 
 def test_a_plan_with_little_split_work_runs_on_the_callers_thread():
@@ -231,6 +241,22 @@ def test_a_plan_with_little_split_work_runs_on_the_callers_thread():
             assert np.array_equal(got, want)
     finally:
         cpu.lib.mg_set_chunking(-1, -1)
+
+
+@pytest.mark.parametrize("k, m, n, parallel", [(64, 128, 64, 0), (64, 64, 64, 0), (512, 512, 64, 1), (4096, 256, 1, 1)])
+def test_small_products_stay_whole_and_matrix_by_vector_splits(k, m, n, parallel):
+    """Default chunking: a product of more than 4 columns counts its multiply-adds at 1/8 (they
+    are the work, and its operands sit in the caller's cache), so 64 x 128 by 64 runs whole;
+    512 x 512 by 64 splits, and so does a matrix of 4 MiB by one vector (the weights stream from
+    memory). Each gives the 1-thread bits."""
+    def make(ctx):
+        a = ctx.new_tensor_2d(mg.f32, k, m)
+        b = ctx.new_tensor_2d(mg.f32, k, n)
+        return [a, b], mg.mul_mat(a, b)
+    want, _ = _one_node_run(make, 1, 382)
+    got, runs = _one_node_run(make, 2, 383)
+    assert runs == parallel, runs
+    assert np.array_equal(got, want)
 
 
 def test_split_nodes_between_one_chunk_nodes_stay_exact():

@@ -140,14 +140,24 @@ static int64_t tensor_bytes(const mg_tensor *t) {
     return n > 0 ? n / mg_blck_size(t->type) * mg_type_size(t->type) : 0;
 }
 
-/* the work of a node in bytes-equivalent: bytes read and written, plus one per multiply-add of
- * MUL_MAT (about what a core streams per multiply-add with the vector kernels) */
+/* the work of a node in bytes-equivalent: bytes read and written, plus for MUL_MAT one per
+ * multiply-add of a matrix by at most MV_COLS columns (about what a core streams per multiply-add
+ * with the vector kernels: the weights stream from memory, and each thread's share of that
+ * stream is what a split buys) and one per GEMM_MAC_DIV of a product with more columns (there
+ * the multiply-adds are the work, several per byte a core streams, and a split moves the
+ * operands, which sit in the caller's cache, to the other core: a 64 x 128 by 64 product took
+ * 16.2 us on one thread and 19.3 split in two, 64 x 64 by 64 8.3 and 9.9; 64 x 328 by 64, 41.0
+ * and 38.5; bench/models.py's tiny delta-net and mamba2 prefill layers, Zen 4) */
+#define MV_COLS 4
+#define GEMM_MAC_DIV 8
 static int64_t node_cost(const mg_node *nd) {
     int64_t c = tensor_bytes(&nd->dst);
     for (int j = 0; j < nd->n_src && j < MG_MAX_SRC; j++) c += tensor_bytes(&nd->src[j]);
     const char *name = mg_op_name(nd->op);
-    if (name != NULL && strcmp(name, "MUL_MAT") == 0)
-        c += nd->src[0].ne[0] * nd->src[0].ne[1] * nd->src[1].ne[1] * nd->src[1].ne[2] * nd->src[1].ne[3];
+    if (name != NULL && strcmp(name, "MUL_MAT") == 0) {
+        const int64_t macs = nd->src[0].ne[0] * nd->src[0].ne[1] * nd->src[1].ne[1] * nd->src[1].ne[2] * nd->src[1].ne[3];
+        c += nd->src[1].ne[1] <= MV_COLS ? macs : macs / GEMM_MAC_DIV;
+    }
     return c;
 }
 
