@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph.testing.op_cases import CASES, missing_types, run_built
+from minigraph.testing.op_cases import CASES, Built, missing_types, run_built
 from minigraph.testing.other_load import OtherLoad
 from minigraph.tensor import Context
 
@@ -203,28 +203,18 @@ def test_default_is_every_core_this_process_may_use():
 
 
 def _one_node_run(make, n_threads, backend_id):
-    """the graph make(ctx) -> (leaves, out) on a backend of n_threads, leaves filled with seeded
-    normals: (its result, the pool's parallel-run count that the compute added)."""
-    be = cpu.CpuBackend(backend_id).set_n_threads(n_threads)
-    ctx = Context()
-    leaves, out = make(ctx)
-    out.set_output()
-    mg.alloc_ctx_tensors(ctx, be)
-    rng = np.random.default_rng(7)
-    for t in leaves:
-        t.set(rng.standard_normal(t.shape).astype(np.float32))
-    gf = mg.Graph().build_forward_expand(out)
+    """the graph make(built, rng) -> out (leaves: seeded random data) run by run_built on a backend of
+    n_threads: (its result, the pool's parallel-run count that the compute added)."""
+    b = Built(Context())
+    b.out(make(b, np.random.default_rng(7)))
     before = _pool_stats()[0]
-    be.graph_compute(gf)
-    return out.numpy(), _pool_stats()[0] - before
+    got = run_built(b, cpu.CpuBackend(backend_id).set_n_threads(n_threads))
+    return got[0], _pool_stats()[0] - before
 
 
 def _silu_run(n_cols, n_threads, backend_id):
     """silu over [n_cols, 8] floats (cost 64 bytes a column: read and written)"""
-    def make(ctx):
-        a = ctx.new_tensor_2d(mg.f32, n_cols, 8)
-        return [a], mg.silu(a)
-    return _one_node_run(make, n_threads, backend_id)
+    return _one_node_run(lambda b, rng: mg.silu(b.leaf(mg.f32, (n_cols, 8), rng=rng)), n_threads, backend_id)
 
 
 def test_a_plan_with_little_split_work_runs_on_the_callers_thread():
@@ -249,10 +239,8 @@ def test_small_products_stay_whole_and_matrix_by_vector_splits(k, m, n, parallel
     are the work, and its operands sit in the caller's cache), so 64 x 128 by 64 runs whole;
     512 x 512 by 64 splits, and so does a matrix of 4 MiB by one vector (the weights stream from
     memory). Each gives the 1-thread bits."""
-    def make(ctx):
-        a = ctx.new_tensor_2d(mg.f32, k, m)
-        b = ctx.new_tensor_2d(mg.f32, k, n)
-        return [a, b], mg.mul_mat(a, b)
+    def make(b, rng):
+        return mg.mul_mat(b.leaf(mg.f32, (k, m), rng=rng), b.leaf(mg.f32, (k, n), rng=rng))
     want, _ = _one_node_run(make, 1, 382)
     got, runs = _one_node_run(make, 2, 383)
     assert runs == parallel, runs

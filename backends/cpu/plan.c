@@ -371,8 +371,7 @@ static int run_nodes(const run_view *v, int main_thread, int *stalled, int *resu
             }
             w = atomic_fetch_or_explicit(&ns->claim, CL_OPEN, memory_order_acq_rel) | CL_OPEN;
         }
-        const int n = CL_N(w);
-        if (n == 1 && !main_thread) continue;  /* one-chunk nodes are the caller's */
+        const int n = CL_N(w);   /* > 1 for a worker: it skipped the one-chunk nodes above */
         if (!main_thread && !(w & CL_OPEN)) {
             int64_t t0 = 0, it = 0;
             for (;;) {
@@ -539,17 +538,22 @@ static int run_serial(mg_node *nodes, int n_nodes, mg_error *err) {
     return run_alone(nodes, n_nodes, INT64_MAX, &next, err);
 }
 
+/* whether a plan has split nodes, and enough of their work (PLAN_PAR_MIN_COST) to pay for a
+ * parallel run; a plan of one-chunk nodes has nothing to share */
+static int worth_sharing(mg_node *nodes, int n_nodes, int nth) {
+    int64_t split = 0;
+    for (int i = 0; i < n_nodes; i++) {
+        if (node_chunks(&nodes[i], nth) > 1) split += nodes[i].cost;
+        if (split > 0 && split >= PLAN_PAR_MIN_COST) return 1;
+    }
+    return 0;
+}
+
 int mg_plan_run(mg_node *nodes, int n_nodes, int n_threads, mg_error *err) {
     memset(err, 0, sizeof *err);
     if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
     if (n_threads <= 1 || n_nodes <= 0) return run_serial(nodes, n_nodes, err);
-    /* a plan of one-chunk nodes only runs on the caller's thread: nothing to share; nor does
-     * one whose split nodes are too little work to pay for a parallel run (PLAN_PAR_MIN_COST) */
-    const int64_t enough = PLAN_PAR_MIN_COST;
-    int64_t split = 0;
-    for (int i = 0; i < n_nodes && (split == 0 || split < enough); i++)
-        if (node_chunks(&nodes[i], n_threads) > 1) split += nodes[i].cost;
-    if (split == 0 || split < enough || pthread_mutex_trylock(&P.run_lock) != 0)
+    if (!worth_sharing(nodes, n_nodes, n_threads) || pthread_mutex_trylock(&P.run_lock) != 0)
         return run_serial(nodes, n_nodes, err);
 
     /* a recent stall: the caller runs the nodes alone until the backoff has passed, and the
