@@ -30,9 +30,35 @@ class Buffer:
         self.usage = usage
         self.mem = mem
         self.views: dict = {}   # a host backend's kept views of graph inputs and outputs (HostBackend.view)
+        # offs -> Layout: tensors whose bytes the backend keeps arranged for its own kernels
+        # (Backend.pack_weight); every read and write from outside them sees the plain bytes
+        self.layouts: dict = {}
 
     def __repr__(self):
         return f"Buffer({self.backend.name}, {self.usage}, {self.nbytes} bytes)"
+
+
+class Layout:
+    """A tensor's bytes [offs, offs + nbytes) of a host buffer, kept by its backend in an
+    arrangement of its own kernels (the cpu backend: q4_K weight rows in groups of 8). The
+    arrangement is a permutation of the same bytes: to_plain and to_packed turn a span of them
+    (a NumPy uint8 array) from one form into the other, in place."""
+    name = "packed"
+    nbytes = 0
+
+    def to_plain(self, mem: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def to_packed(self, mem: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+def byte_span(t: Tensor, offs: int) -> tuple[int, int]:
+    """[first, last + 1) bytes of t's elements in its buffer, element 0 at offs (strides >= 0)."""
+    if t.nelements() == 0:
+        return offs, offs
+    counts = (t.ne[0] // t.type.blck_size,) + tuple(t.ne[1:])
+    return offs, offs + sum((n - 1) * nb for n, nb in zip(counts, t.nb)) + t.type.size
 
 
 def host_view(mem: np.ndarray, offs: int, t: Tensor) -> np.ndarray:
@@ -76,6 +102,13 @@ class Backend:
 
     def set_bytes(self, buf: Buffer, offs: int, data: np.ndarray):
         raise NotImplementedError
+
+    def pack_weight(self, t: Tensor) -> bool:
+        """Rearrange weight t's bytes in place for this backend's MUL_MAT kernels, once its data is
+        written (a loader's call, for weights that graphs read only as MUL_MAT's src0): True if
+        it did. Reads and writes from outside the kernels still see the plain bytes; any other op
+        reading t is refused with an OpError. Backends without such a layout keep t as it is."""
+        return False
 
     # -- compute --------------------------------------------------------------------------
     def supports_op(self, node: Tensor) -> bool:
@@ -197,6 +230,39 @@ class HostBackend(Backend):
     def view(self, t: Tensor) -> np.ndarray:
         return self._kept_view(t, flat=False)
 
+    # -- bytes a backend keeps packed (Buffer.layouts) -------------------------------------------
+    @staticmethod
+    def _layouts_over(buf: Buffer, lo: int, hi: int) -> list:
+        """(offs, Layout) of the packed tensors of buf that bytes [lo, hi) touch."""
+        return [(o, lay) for o, lay in buf.layouts.items() if o < hi and lo < o + lay.nbytes]
+
+    def _plain_bytes(self, buf: Buffer, lo: int, n: int) -> np.ndarray:
+        """A copy of bytes [lo, lo + n) of buf as they are without packing."""
+        out = buf.mem[lo:lo + n].copy()
+        for o, lay in self._layouts_over(buf, lo, lo + n):
+            whole = buf.mem[o:o + lay.nbytes].copy()
+            lay.to_plain(whole)
+            a, b = max(lo, o), min(lo + n, o + lay.nbytes)
+            out[a - lo:b - lo] = whole[a - o:b - o]
+        return out
+
+    def _write_plain(self, buf: Buffer, lo: int, hi: int, write) -> None:
+        """write() into bytes [lo, hi) with every packed tensor they touch unpacked around it."""
+        over = self._layouts_over(buf, lo, hi)
+        for o, lay in over:
+            lay.to_plain(buf.mem[o:o + lay.nbytes])
+        try:
+            write()
+        finally:
+            for o, lay in over:
+                lay.to_packed(buf.mem[o:o + lay.nbytes])
+
+    def _refuse_packed(self, t: Tensor, buf: Buffer, offs: int) -> None:
+        over = self._layouts_over(buf, *byte_span(t, offs))
+        if over:
+            raise OpError(f"tensor {t.label}: its memory holds {over[0][1].name}, packed by {self.name} "
+                          f"for MUL_MAT; only MUL_MAT reads it in place (numpy() and set() see the plain bytes)")
+
     def flat_view(self, t: Tensor) -> np.ndarray | None:
         """A writable 1-D view of a contiguous element-type graph input or output, in memory
         order; None for any other tensor. What a model's inputs are written through every step:
@@ -209,6 +275,8 @@ class HostBackend(Backend):
         step, so theirs are made once and kept with the buffer (making one costs more than copying
         a token's data through it); any other tensor's is made each time."""
         buf, offs = t.storage()
+        if buf.layouts:
+            self._refuse_packed(t, buf, offs)
         kept = "input" in t.flags or "output" in t.flags
         if not kept:
             return None if flat else host_view(buf.mem, offs, t)
@@ -222,16 +290,31 @@ class HostBackend(Backend):
         return buf.views[key]
 
     def write_tensor(self, t: Tensor, array: np.ndarray):
+        buf, offs = t.storage()
+        if buf.layouts and self._layouts_over(buf, *byte_span(t, offs)):
+            self._write_plain(buf, *byte_span(t, offs), lambda: np.copyto(host_view(buf.mem, offs, t), array))
+            return
         np.copyto(self.view(t), array)
 
     def read_tensor(self, t: Tensor) -> np.ndarray:
+        buf, offs = t.storage()
+        if buf.layouts and self._layouts_over(buf, *byte_span(t, offs)):
+            lo, hi = byte_span(t, offs)
+            return host_view(self._plain_bytes(buf, lo, hi - lo), offs - lo, t).copy()
         return self.view(t).copy()
 
     def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:
+        if buf.layouts:
+            return self._plain_bytes(buf, offs, n)
         return buf.mem[offs:offs + n].copy()
 
     def set_bytes(self, buf: Buffer, offs: int, data: np.ndarray):
-        buf.mem[offs:offs + data.size] = data
+        def write():
+            buf.mem[offs:offs + data.size] = data
+        if buf.layouts:
+            self._write_plain(buf, offs, offs + data.size, write)
+        else:
+            write()
 
     def save_rows(self, pairs):
         """For each (dst, rows) of pairs, copy rows (a [count, n] uint8 view of this backend's
@@ -376,5 +459,5 @@ def is_compute_node(n: Tensor) -> bool:
     return n.op != "NONE" and not OPS[n.op].is_view and n.nelements() > 0
 
 
-__all__ = ["Buffer", "Backend", "HostBackend", "backend", "register_backend", "alloc_ctx_tensors",
+__all__ = ["Layout", "byte_span", "Buffer", "Backend", "HostBackend", "backend", "register_backend", "alloc_ctx_tensors",
            "host_view", "is_compute_node", "writes_through"]

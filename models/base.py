@@ -148,6 +148,9 @@ class RecurrentModel:
     # with layer_outputs, build() also returns these per layer: 'mixer.{il}' (the mixer's
     # output) and/or 'l_out.{il}' (the block's output), [n_embd, n_tokens] each (tests)
     layer_output_names = ("l_out",)
+    # weights the graphs read by row (GET_ROWS), not only as MUL_MAT's src0: a GGUF loader leaves
+    # them in the file's layout (Backend.pack_weight packs the others where a backend has a layout)
+    weights_read_by_row = ("token_embd.weight",)
 
     def __init__(self, hparams: dict, devices=None, layer_outputs: bool = False):
         """hparams: the structural constructor arguments (n_vocab, n_embd, n_layer, ...);

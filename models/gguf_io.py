@@ -586,7 +586,7 @@ def _hparams_from_file(cls, arch: str, kv_all: dict) -> dict:
     return hp
 
 
-def load_gguf(path, devices=None, *, map_weights: bool | None = None):
+def load_gguf(path, devices=None, *, map_weights: bool | None = None, pack_weights: bool = True):
     """Read a GGUF file written by save_gguf (or any file of the same structure): construct the
     arch's model class on `devices` (None, one backend, or one per layer) and fill its weights.
 
@@ -596,7 +596,13 @@ def load_gguf(path, devices=None, *, map_weights: bool | None = None):
     on a 32-byte boundary, which the GGUF alignment (32 by default) gives; a weight off it (a
     file with a smaller alignment), and every weight on other backends, is copied. map_weights
     None: each host backend's choice (HostBackend.maps_file_weights: ref maps, cpu reads the
-    weights into memory of its own, straight from the file, without touching the mapping)."""
+    weights into memory of its own, straight from the file, without touching the mapping).
+
+    pack_weights: a weight read into a backend's own memory and used by the graphs only as
+    MUL_MAT's weights (all but the model's weights_read_by_row) is then rearranged in place for
+    that backend's kernels where it has such a layout (Backend.pack_weight: the cpu backend's q4_K
+    rows on AVX-512 VNNI builds). Results are unchanged; Tensor.numpy() still gives the file's
+    bytes, and any other op that reads such a weight is refused (load with False to allow it)."""
     reader = _open(path)
     kv_all = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = kv_all.get("general.architecture")
@@ -672,6 +678,12 @@ def load_gguf(path, devices=None, *, map_weights: bool | None = None):
                 _read_into(f, path, rt, t)   # pages are never touched, so they never count as ours)
             else:
                 t.set(_as_stored(rt.data, t))
+    if pack_weights:
+        by_row = set(getattr(model, "weights_read_by_row", ("token_embd.weight",)))
+        read_in = {id(t) for t, _, raw in copied if raw}     # in the backend's own memory, not mapped
+        for name, t in want.items():
+            if name not in by_row and id(t) in read_in:
+                t.backend.pack_weight(t)
     model.gguf_extra_kv = _extra_fields(reader, model, arch, hp)
     return model
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from minigraph.backend import HostBackend, is_compute_node, register_backend
+from minigraph.backend import HostBackend, Layout, is_compute_node, register_backend
 from minigraph.errors import OpError
 from minigraph.registry import OPS
 from minigraph.sources import reading, srcs_of
@@ -95,6 +95,29 @@ def own_order_types() -> frozenset:
     if lib is None:
         return frozenset()
     return frozenset(t.name for t, code in _TYPE_CODES.items() if lib.mg_quant_row_group(code) > 1)
+
+
+class PackedRows(Layout):
+    """A weight's q4_K or q6_K rows packed in groups of 8 for the 8-row kernels (quant_matmul.c:
+    MG_Q4_KX8, MG_Q6_KX8): each group one stream in the order the kernel reads it, its values
+    already in vector lanes; the rows after the last whole group stay as they are."""
+
+    def __init__(self, type_code: int, type_name: str, n_rows: int, row_bytes: int):
+        self.code, self.n_rows, self.row_bytes = type_code, n_rows, row_bytes
+        self.packed_code = int(lib.mg_packed_type(type_code))
+        self.nbytes = n_rows * row_bytes
+        self.name = f"{type_name} rows packed in groups of 8"
+
+    def _move(self, mem: np.ndarray, unpack: int) -> None:
+        if lib.mg_pack_rows(self.code, ffi.from_buffer(mem), self.n_rows, self.row_bytes, unpack) != 0:
+            raise MemoryError(f"{'un' if unpack else ''}packing {self.name}: no memory for one group "
+                              f"({8 * self.row_bytes} bytes)")
+
+    def to_plain(self, mem: np.ndarray) -> None:
+        self._move(mem, 1)
+
+    def to_packed(self, mem: np.ndarray) -> None:
+        self._move(mem, 0)
 
 
 def _params(node, rec):
@@ -253,6 +276,43 @@ class CpuBackend(HostBackend):
         if lib.mg_plan_run(recs, len(big), int(self.n_threads), err) != 0:   # pragma: no cover (no check)
             raise RuntimeError(f"CPY:save_rows: backend {self.name} failed (code {err.code})")
 
+    # -- packed weights ---------------------------------------------------------------------
+    def pack_weight(self, t) -> bool:
+        """Pack a q4_K or q6_K weight's rows in groups of 8, in place, where this build's kernels
+        read 8 rows at once (AVX-512 VNNI + VBMI): a product then streams one group at a time
+        instead of 8 rows side by side, and no block is transposed on the way. The same bits come
+        out. Only a 2-D weight that owns its contiguous memory here, with at least 8 rows."""
+        code = _TYPE_CODES.get(t.type)
+        buf = t.buffer
+        if (code is None or lib.mg_packed_type(code) < 0 or t.view_src is not None or buf is None
+                or buf.backend is not self or t.ne[2] != 1 or t.ne[3] != 1 or t.ne[1] < 8 or not t.is_contiguous()):
+            return False
+        if t.offs not in buf.layouts:
+            lay = PackedRows(code, t.type.name, t.ne[1], t.row_size())
+            lay.to_packed(buf.mem[t.offs:t.offs + lay.nbytes])
+            buf.layouts[t.offs] = lay
+        return True
+
+    @staticmethod
+    def _layout_of(t):
+        """The Layout t's memory is kept in (None: plain bytes)."""
+        root = t.root()
+        buf = root.buffer
+        return buf.layouts.get(root.offs) if buf is not None and buf.layouts else None
+
+    def _check_packed_use(self, node, name, s) -> bool:
+        """True when source `name` of node is a packed weight that the record reads as such (a
+        MUL_MAT's whole src0); an OpError for any other use of packed bytes."""
+        lay = self._layout_of(s)
+        if lay is None:
+            return False
+        if node.op == "MUL_MAT" and name == "a" and s.view_src is None:
+            return True
+        what = f"a view of {s.root().label}, which" if s.view_src is not None else s.label
+        raise OpError(f"{node.op} {node.label}: source {name} is {what} holds {lay.name} ({self.name} packed it "
+                      f"for MUL_MAT at load); only MUL_MAT reads it, whole (load the model with pack_weights=False "
+                      f"to use it otherwise)")
+
     # -- plans ------------------------------------------------------------------------------
     def _address(self, buf) -> int:
         entry = self._addrs.get(buf)
@@ -271,7 +331,9 @@ class CpuBackend(HostBackend):
 
     @staticmethod
     def _signature(roots) -> tuple:
-        return tuple((r.buffer.id if r.buffer is not None else -1, r.offs) for r in roots)
+        """Where each root's memory is, and whether it is packed (the records' types say so)."""
+        return tuple((r.buffer.id, r.offs, r.offs in r.buffer.layouts) if r.buffer is not None else (-1, r.offs)
+                     for r in roots)
 
     @staticmethod
     def _needs_src1_conversion(node) -> bool:
@@ -435,6 +497,9 @@ class CpuBackend(HostBackend):
             rec = records[i]
             i += 1
             rec.op = self.op_code(self._kernel_name(node))
+            if self._layout_of(node) is not None:
+                raise OpError(f"{node.op} {node.label}: writes into {node.root().label}, which holds "
+                              f"{self._layout_of(node).name} ({self.name} packed it for MUL_MAT at load)")
             self._fill(rec.dst, node)
             roots[node.root().id] = node.root()
             rec.n_src = len(names)
@@ -442,6 +507,8 @@ class CpuBackend(HostBackend):
                 s = srcs_of(node).get(name)
                 if s is not None:
                     self._fill(rec.src[j], s)
+                    if self._check_packed_use(node, name, s):
+                        rec.src[j].type = self._layout_of(s).packed_code
                     roots[s.root().id] = s.root()
             if convert:   # src1: the converted rows
                 rec.src[1] = records[i - 2].dst

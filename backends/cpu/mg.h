@@ -36,8 +36,8 @@ static inline int mg_type_size(int type) {
         case MG_I64:  return 8;
         case MG_Q4_0: return 18;
         case MG_Q8_0: return 34;
-        case MG_Q4_K: return 144;
-        case MG_Q6_K: return 210;
+        case MG_Q4_K: case MG_Q4_KX8: return 144;
+        case MG_Q6_K: case MG_Q6_KX8: return 210;
         case MG_Q8_K: case MG_Q8_KP: return 292;
         case MG_Q8_0X: return 68;
         case MG_Q8_0S: return 40;
@@ -49,7 +49,7 @@ static inline int mg_type_size(int type) {
 static inline int mg_blck_size(int type) {
     switch (type) {
         case MG_Q4_0: case MG_Q8_0: case MG_Q8_0X: case MG_Q8_0S: return 32;
-        case MG_Q4_K: case MG_Q6_K: case MG_Q8_K: case MG_Q8_KP: return 256;
+        case MG_Q4_K: case MG_Q4_KX8: case MG_Q6_K: case MG_Q6_KX8: case MG_Q8_K: case MG_Q8_KP: return 256;
         default: return 1;
     }
 }

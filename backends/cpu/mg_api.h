@@ -5,10 +5,11 @@
 
 /* the backend's own type codes (Python maps minigraph types to them); the block types have ggml's
  * byte layouts (quant.h). MG_Q8_K, MG_Q8_0X, MG_Q8_0S, MG_Q8_KP, MG_F16F and MG_BF16F only appear in
- * MUL_MAT's work buffer. */
+ * MUL_MAT's work buffer; MG_Q4_KX8 and MG_Q6_KX8 (q4_K, q6_K rows packed in groups of 8,
+ * quant_matmul.c) only as the weights of a MUL_MAT. */
 enum mg_type { MG_F32 = 0, MG_F16 = 1, MG_I32 = 2, MG_I64 = 3, MG_BF16 = 4, MG_Q4_0 = 5, MG_Q8_0 = 6,
                MG_Q4_K = 7, MG_Q6_K = 8, MG_Q8_K = 9, MG_Q8_0X = 10, MG_Q8_0S = 11, MG_Q8_KP = 12,
-               MG_F16F = 13, MG_BF16F = 14 };
+               MG_F16F = 13, MG_BF16F = 14, MG_Q4_KX8 = 15, MG_Q6_KX8 = 16 };
 
 enum mg_status { MG_OK = 0, MG_ERR_INDEX = 1, MG_ERR_OP = 2 };
 
@@ -88,3 +89,10 @@ int64_t mg_work_row_bytes(int t, int64_t k, int64_t n_cols);
 int64_t mg_mul_mat_pack_floats(const mg_node *n);
 uint16_t mg_f32_to_f16(float x);
 float mg_f16_to_f32(uint16_t h);
+/* weights packed for the 8-row kernels (quant_matmul.c): mg_packed_type(t) is the code of type t's
+ * rows packed in groups of 8 (MG_Q4_KX8, MG_Q6_KX8), -1 where no kernel of this build reads them;
+ * mg_pack_rows rearranges every whole group of 8 of nrows rows of row_bytes of type t in place
+ * (unpack 1: back to t's layout). 0, or -1 when t has no packed form here, row_bytes is not whole
+ * blocks or no memory was left for one group's copy (data then unchanged) */
+int mg_packed_type(int t);
+int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack);

@@ -1,7 +1,9 @@
 /* Half-precision and block-quantized types: ggml's byte layouts, and the conversions and dot
  * products the cpu backend's GET_ROWS, CPY and MUL_MAT run on them.
  *
- * The layouts are ggml's so that a GGUF file's tensor data is used as it is (no repacking):
+ * The layouts are ggml's so that a GGUF file's tensor data can be used as it is (a loader may
+ * still pack q4_K and q6_K weights in groups of 8 rows for the 8-row kernels: quant_matmul.c's
+ * MG_Q4_KX8, MG_Q6_KX8):
  *   q4_0: 32 values, one f16 scale d, value = d * (nibble - 8); nibble j < 16 is the low half of
  *         byte j, nibble j >= 16 the high half of byte j - 16.
  *   q8_0: 32 values, f16 scale d, value = d * q (int8).

@@ -28,6 +28,7 @@
  * Batch invariance: an output element is the same function of (weight row, converted row)
  * whatever the thread, the chunk, the tile or the number of src1 rows: a tile only interleaves
  * independent chains, and a src1 row is converted on its own. */
+#include <stddef.h>
 #include <stdlib.h>
 #include "quant.h"
 #include "simd_transpose.h"
@@ -351,6 +352,18 @@ static inline __attribute__((always_inline)) void store_lanes(const __m256 *acc,
 }
 #endif
 
+/* ---- MG_Q4_KX8: q4_K weight rows packed in groups of 8 (mg_pack_rows, at load) ----
+ * The 8-row kernels below read 8 rows a block at a time: 8 streams, whose values they transpose
+ * into lanes on every pass. Packed, a group of 8 rows is one stream in the order they read it, in
+ * the same bytes (8 rows of nb blocks): block b of the group is Q4K_GROUP_BLOCK bytes at
+ * b * Q4K_GROUP_BLOCK, first the 8 rows' 16 header bytes (d, dmin, the 12 scale bytes) one
+ * after another, then for each 32 value bytes g (sub-blocks 2g and 2g + 1) and each 4-byte column
+ * k, the 8 rows' 4 bytes: lane r of the vector at Q4K_GROUP_HEADS + 256 g + 32 k is row r's.
+ * The rows after the last whole group keep q4_K's layout (the one-row kernel reads them). Only the
+ * arrangement changes, so every output has the bits of the unpacked rows. */
+#define Q4K_GROUP_HEADS (8 * 16)
+#define Q4K_GROUP_BLOCK (8 * (int64_t)sizeof(mg_block_q4_K))
+
 /* ---- q4_K: 8 weight rows at once (builds with AVX-512 VNNI and VBMI) ----
  * dot_q4_K spends two multiplies per 32 values and output (maddubs, then the scale). Here the
  * 8 rows' bytes are transposed into lanes (lane r holds row r's 4 bytes at one position), so
@@ -365,18 +378,24 @@ static inline __attribute__((always_inline)) void store_lanes(const __m256 *acc,
 #ifdef MG_KROWS
 /* block b's headers of 8 q4_K rows (d, dmin and the 12 scale bytes: 16 bytes a row), rows 0-3 in
  * hd[0] and 4-7 in hd[1]; sm the same rows' 6-bit scales and mins as [8 scales, 8 mins] bytes: the
- * packing undone in lanes, as q4_K_unpack does for one row */
+ * packing undone in lanes, as q4_K_unpack does for one row. Rows packed in groups of 8
+ * (MG_Q4_KX8, below) hold the 8 headers side by side: two loads */
 static inline __attribute__((always_inline)) void q4_K_heads_8(const mg_block_q4_K *const xr[8], int64_t b,
-                                                               __m512i hd[2], __m512i sm[2]) {
+                                                               const char *packed_block, __m512i hd[2], __m512i sm[2]) {
     const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
     const __m512i lo_mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
     const __m512i hi_mask = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(xr[4 * h] + b)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 1] + b)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 2] + b)), 2);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 3] + b)), 3);
+        __m512i v;
+        if (packed_block) {
+            v = _mm512_loadu_si512((const void *)(packed_block + 64 * h));
+        } else {
+            v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(xr[4 * h] + b)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 1] + b)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 2] + b)), 2);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(xr[4 * h + 3] + b)), 3);
+        }
         hd[h] = v;
         /* dwords of a row: [d dmin, u0, u1, u2] -> [u0, u2, u1, u2] and [u0, u0, u1, u1] */
         const __m512i a = _mm512_shuffle_epi32(v, _MM_PERM_DCDB), c = _mm512_shuffle_epi32(v, _MM_PERM_CCBB);
@@ -432,9 +451,12 @@ static inline __attribute__((always_inline)) __m128i load_halves_8(const char *d
 }
 
 
-/* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c] */
+/* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c]. packed (a constant
+ * in each expansion): the 8 rows are a group of MG_Q4_KX8 at xrow, whose blocks hold the headers
+ * side by side and the values already in lanes: no transposition, and one stream of bytes */
 static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const char *xrow, size_t xs,
-                                                              const void *const *ys, const int C, float *out) {
+                                                              const void *const *ys, const int C, float *out,
+                                                              const int packed) {
     const mg_block_q4_K *xr[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q4_K *)(xrow + (size_t)r * xs);
@@ -449,8 +471,9 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         const char *qs[8];
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) qs[r] = (const char *)xr[r][b].qs;
+        const char *pb = packed ? xrow + b * Q4K_GROUP_BLOCK : NULL;
         __m512i hd[2], sm[2];
-        q4_K_heads_8(xr, b, hd, sm);
+        q4_K_heads_8(xr, b, pb, hd, sm);
         _mm512_store_si512(sct, _mm512_permutex2var_epi8(sm[0], sc_t, sm[1]));
         _mm512_store_si512(mt, _mm512_permutex2var_epi8(sm[0], m_t, sm[1]));
         const __m512i dm = _mm512_permutex2var_epi16(hd[0], dm_t, hd[1]);
@@ -472,7 +495,12 @@ static inline __attribute__((always_inline)) void tile_q4_K_8(int64_t nb, const 
         }
         for (int g = 0; g < 4; g++) {   /* 64 values: sub-blocks 2g (low nibbles) and 2g+1 (high) */
             __m256i v[8];
-            load_rows_transposed(qs, 32 * g, v);
+            if (packed) {
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) v[k] = _mm256_loadu_si256((const __m256i *)(pb + Q4K_GROUP_HEADS + 256 * g + 32 * k));
+            } else {
+                load_rows_transposed(qs, 32 * g, v);
+            }
             const __m256i scl = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g))));
             const __m256i sch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sct + 8 * (2 * g + 1))));
 #pragma GCC unroll 8
@@ -618,23 +646,29 @@ typedef struct {
     __m256 d, dmin;
 } q4_K_panel;
 
-/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
-static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb); packed: the rows are a group of
+ * MG_Q4_KX8 at xrow (headers side by side, values already in lanes) */
+static inline __attribute__((always_inline)) void q4_K_panel_pack_any(const char *xrow, size_t xs, int64_t nb,
+                                                                      void *pan, const int packed) {
     q4_K_panel *p = pan;
     const __m256i lo4 = _mm256_set1_epi8(0xf);
     for (int64_t b = 0; b < nb; b++, p++) {
-        const char *x = xrow + b * (int64_t)sizeof(mg_block_q4_K);
+        const char *x = packed ? xrow + b * Q4K_GROUP_BLOCK : xrow + b * (int64_t)sizeof(mg_block_q4_K);
         const char *qs[8];
         q4_K_qs_8(x, xs, qs);
         for (int g = 0; g < 4; g++) {   /* 32 bytes of nibbles: sub-blocks 2g (low) and 2g + 1 (high) */
             __m256i v[8];
-            load_rows_transposed(qs, 32 * g, v);
+            if (packed) {
+                for (int k = 0; k < 8; k++) v[k] = _mm256_loadu_si256((const __m256i *)(x + Q4K_GROUP_HEADS + 256 * g + 32 * k));
+            } else {
+                load_rows_transposed(qs, 32 * g, v);
+            }
             for (int k = 0; k < 8; k++) {
                 _mm256_store_si256(&p->w[2 * g][k], _mm256_and_si256(v[k], lo4));
                 _mm256_store_si256(&p->w[2 * g + 1][k], _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4));
             }
         }
-        const q4_K_heads h = q4_K_heads_lanes(x, xs);
+        const q4_K_heads h = q4_K_heads_lanes(x, packed ? 16 : xs);   /* packed: the headers 16 bytes apart */
 #ifdef MG_KROWS   /* q4_K_panel_block's vpdpwssd takes the low half */
         for (int j = 0; j < 8; j++) p->sc[j] = q4_K_scale(&h, j, 0);
 #else
@@ -645,6 +679,14 @@ static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
         p->dmin = h.dmin;
     }
 }
+static void q4_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q4_K_panel_pack_any(xrow, xs, nb, pan, 0);
+}
+#ifdef MG_KROWS
+static void q4_Kx8_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q4_K_panel_pack_any(xrow, xs, nb, pan, 1);
+}
+#endif
 
 /* acc[c] + one packed block of 8 rows against the blocks y[c] (MG_Q8_KP) */
 static inline __attribute__((always_inline)) void q4_K_panel_block(const q4_K_panel *p, const mg_block_q8_K *const *y,
@@ -884,17 +926,22 @@ typedef struct {
     void (*cols)(int64_t nb, const void *pan, const void *const *ys, int C, float *o);
 } panel_kind;
 static const panel_kind q4_K_panels = {MG_QK_K, PANEL_MIN_N, sizeof(q4_K_panel), q4_K_panel_pack, q4_K_panel_cols};
+#ifdef MG_KROWS
+static const panel_kind q4_Kx8_panels = {MG_QK_K, PANEL_MIN_N, sizeof(q4_K_panel), q4_Kx8_panel_pack, q4_K_panel_cols};
+#endif
 #if MG_PANELS
 static const panel_kind q8_0_panels = {MG_QK8_0, PANEL_MIN_N, sizeof(q8_0_panel), q8_0_panel_pack, q8_0_panel_cols};
 #endif
 /* the types with panels on this build, and theirs */
 #ifdef MG_KROWS
-static const panel_kind q6_K_panels;   /* defined with the q6_K kernels below */
+static const panel_kind q6_K_panels, q6_Kx8_panels;   /* defined with the q6_K kernels below */
 #endif
 static const panel_kind *panels_of(int t) {
     if (t == MG_Q4_K) return &q4_K_panels;
 #ifdef MG_KROWS
+    if (t == MG_Q4_KX8) return &q4_Kx8_panels;
     if (t == MG_Q6_K) return &q6_K_panels;
+    if (t == MG_Q6_KX8) return &q6_Kx8_panels;
 #endif
 #if MG_PANELS
     if (t == MG_Q8_0) return &q8_0_panels;
@@ -1116,8 +1163,22 @@ static inline __attribute__((always_inline)) __m256i q6_K_offset_sums(const __m2
     return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5));
 }
 
+/* MG_Q6_KX8: q6_K rows packed in groups of 8 (mg_pack_rows, at load), as MG_Q4_KX8 (above) for
+ * q4_K: block b of a group is Q6K_GROUP_BLOCK bytes at b * Q6K_GROUP_BLOCK, first the 8 rows'
+ * 16 scales one after another, then their 8 d, then for each half h the vectors tile_q6_K_8
+ * transposes: ql from 64h (8 x 32 bytes, lane r = row r), ql from 64h + 32, at Q6K_GROUP_QL +
+ * 512 h, and qh from 32h at Q6K_GROUP_QH + 256 h. The rows after the last whole group keep q6_K's
+ * layout. */
+#define Q6K_GROUP_BLOCK (8 * (int64_t)sizeof(mg_block_q6_K))
+#define Q6K_GROUP_D (8 * 16)
+#define Q6K_GROUP_QL (Q6K_GROUP_D + 8 * 2)
+#define Q6K_GROUP_QH (Q6K_GROUP_QL + 2 * 512)
+
+/* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c]; packed (a constant
+ * in each expansion): the 8 rows are a group of MG_Q6_KX8 at xrow */
 static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const char *xrow, size_t xs,
-                                                              const void *const *ys, const int C, float *out) {
+                                                              const void *const *ys, const int C, float *out,
+                                                              const int packed) {
     const mg_block_q6_K *xr[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) xr[r] = (const mg_block_q6_K *)(xrow + (size_t)r * xs);
@@ -1131,14 +1192,21 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *ql[8], *qh[8];
-        const __m128i dh = load_halves_8((const char *)&xr[0][b].d, xs);
+        const char *pb = xrow + b * Q6K_GROUP_BLOCK;   /* packed: the group's block b */
+        const __m128i dh = packed ? _mm_loadu_si128((const __m128i *)(pb + Q6K_GROUP_D))
+                                  : load_halves_8((const char *)&xr[0][b].d, xs);
         __m512i sv[2];   /* the 8 rows' 16 scales: rows 0-3, 4-7 (loaded into lanes, not through memory) */
+        if (packed) {
+            sv[0] = _mm512_loadu_si512((const void *)pb);
+            sv[1] = _mm512_loadu_si512((const void *)(pb + 64));
+        } else {
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            const mg_block_q6_K *x = xr[r] + b;
-            const __m128i sr = _mm_loadu_si128((const __m128i *)x->scales);
-            sv[r / 4] = r % 4 == 0 ? _mm512_castsi128_si512(sr) : _mm512_inserti32x4(sv[r / 4], sr, r % 4);
-            ql[r] = (const char *)x->ql; qh[r] = (const char *)x->qh;
+            for (int r = 0; r < 8; r++) {
+                const mg_block_q6_K *x = xr[r] + b;
+                const __m128i sr = _mm_loadu_si128((const __m128i *)x->scales);
+                sv[r / 4] = r % 4 == 0 ? _mm512_castsi128_si512(sr) : _mm512_inserti32x4(sv[r / 4], sr, r % 4);
+                ql[r] = (const char *)x->ql; qh[r] = (const char *)x->qh;
+            }
         }
         const __m512i s0 = sv[0], s1 = sv[1];
         _mm512_store_si512(sct, _mm512_permutex2var_epi8(s0, sc_a, s1));
@@ -1151,9 +1219,16 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) s[c] = q6_K_offset_sums(sp, ((const mg_block_q8_K *)ys[c] + b)->bsums);
         for (int h = 0; h < 2; h++) {   /* 128 values: ql[64h..64h+63], qh[32h..32h+31] */
-            load_rows_t(ql, 64 * h, tl1);
-            load_rows_t(ql, 64 * h + 32, tl2);
-            load_rows_t(qh, 32 * h, th);
+            const __m256i *t1 = tl1, *t2 = tl2, *t3 = th;
+            if (packed) {
+                t1 = (const __m256i *)(pb + Q6K_GROUP_QL + 512 * h);
+                t2 = (const __m256i *)(pb + Q6K_GROUP_QL + 512 * h + 256);
+                t3 = (const __m256i *)(pb + Q6K_GROUP_QH + 256 * h);
+            } else {
+                load_rows_t(ql, 64 * h, tl1);
+                load_rows_t(ql, 64 * h + 32, tl2);
+                load_rows_t(qh, 32 * h, th);
+            }
             /* the 24 transposed registers live in memory (L1): kept in registers they would
              * crowd out the accumulators and spill anyway */
             __asm__ volatile("" ::: "memory");
@@ -1166,7 +1241,8 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
                     for (int c = 0; c < C; c++) a[c] = _mm256_setzero_si256();
 #pragma GCC unroll 4
                     for (int k = 4 * u; k < 4 * u + 4; k++) {
-                        const __m256i w = q6_K_value_bytes(tl1[k], tl2[k], th[k], q);
+                        const __m256i w = q6_K_value_bytes(_mm256_loadu_si256(t1 + k), _mm256_loadu_si256(t2 + k),
+                                                           _mm256_loadu_si256(t3 + k), q);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; c++) {
                             a[c] = dpbusd_bcast(a[c], w, ((const mg_block_q8_K *)ys[c] + b)->qs + 128 * h + 32 * q + 4 * k);
@@ -1212,8 +1288,13 @@ static inline void q6_K_values(const mg_block_q6_K *x, uint8_t out[256]) {
     }
 }
 
-/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb) */
-static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+static void q6_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack);
+
+/* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb); packed: the rows are a group of
+ * MG_Q6_KX8 at xrow, each row's block gathered back first (the packing is per job, paid back
+ * over Q6K_PANEL_MIN_N columns and more) */
+static inline __attribute__((always_inline)) void q6_K_panel_pack_any(const char *xrow, size_t xs, int64_t nb,
+                                                                      void *pan, const int packed) {
     q6_K_panel *p = pan;
     uint8_t vals[8][256] __attribute__((aligned(32)));
     const char *rows[8];
@@ -1221,7 +1302,12 @@ static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
     for (int64_t b = 0; b < nb; b++, p++) {
         float d[8];
         for (int r = 0; r < 8; r++) {
+            mg_block_q6_K xb;
             const mg_block_q6_K *x = (const mg_block_q6_K *)(xrow + (size_t)r * xs) + b;
+            if (packed) {
+                q6_K_pieces(0, r, 0, (char *)&xb, (char *)(xrow + b * Q6K_GROUP_BLOCK), 1);
+                x = &xb;
+            }
             q6_K_values(x, vals[r]);
             for (int j = 0; j < 16; j++) ((int32_t *)&p->sc[j])[r] = x->scales[j];
             for (int t = 0; t < 8; t++) {
@@ -1237,6 +1323,12 @@ static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) 
         }
         p->d = _mm256_loadu_ps(d);
     }
+}
+static void q6_K_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q6_K_panel_pack_any(xrow, xs, nb, pan, 0);
+}
+static void q6_Kx8_panel_pack(const char *xrow, size_t xs, int64_t nb, void *pan) {
+    q6_K_panel_pack_any(xrow, xs, nb, pan, 1);
 }
 
 /* acc[c] + one packed block of 8 rows against the blocks y[c] (MG_Q8_K): tile_q6_K_8's sums */
@@ -1264,6 +1356,7 @@ PANEL_TILES(q6_K, mg_block_q8_K)
  * 1.46-1.49; by 32 2.16-2.81 / 1.91-1.99; by 64 4.19-4.23 / 3.52-3.79; by 512 35.1-36.1 / 24.9-25.3 */
 #define Q6K_PANEL_MIN_N 24
 static const panel_kind q6_K_panels = {MG_QK_K, Q6K_PANEL_MIN_N, sizeof(q6_K_panel), q6_K_panel_pack, q6_K_panel_cols};
+static const panel_kind q6_Kx8_panels = {MG_QK_K, Q6K_PANEL_MIN_N, sizeof(q6_K_panel), q6_Kx8_panel_pack, q6_K_panel_cols};
 #endif
 
 #ifdef MG_KROWS
@@ -1452,9 +1545,9 @@ static inline __attribute__((always_inline)) void dot_cols(int t, int64_t K, con
         case MG_Q8_0: dot_q8_0(K / MG_QK8_0, xrow, ys, C, out); break;
 #endif
         case MG_Q4_0: dot_q4_0(K / MG_QK4_0, xrow, ys, C, out); break;
-        case MG_Q4_K: dot_q4_K(K / MG_QK_K, xrow, ys, C, out); break;
+        case MG_Q4_K: case MG_Q4_KX8: dot_q4_K(K / MG_QK_K, xrow, ys, C, out); break;   /* KX8: a row after the groups */
 #ifdef MG_KROWS
-        case MG_Q6_K: dot_q6_K_512(K / MG_QK_K, xrow, ys, C, out); break;
+        case MG_Q6_K: case MG_Q6_KX8: dot_q6_K_512(K / MG_QK_K, xrow, ys, C, out); break;   /* KX8: a row after the groups */
 #else
         case MG_Q6_K: dot_q6_K(K / MG_QK_K, xrow, ys, C, out); break;
 #endif
@@ -1512,9 +1605,11 @@ ROW_TILES(q4_0, MG_Q4_0, CMAX)
 static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, const char *x, size_t xs,
                                                              const void *const *ys, int R, int C, float *o) {
     (void)R;
-    if (t == MG_Q4_K) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
 #ifdef MG_KROWS
-    else if (t == MG_Q6_K) tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o);
+    if (t == MG_Q4_K || t == MG_Q4_KX8) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o, t == MG_Q4_KX8);
+    else if (t == MG_Q6_K || t == MG_Q6_KX8) tile_q6_K_8(K / MG_QK_K, x, xs, ys, C, o, t == MG_Q6_KX8);
+#else
+    if (t == MG_Q4_K) tile_q4_K_8(K / MG_QK_K, x, xs, ys, C, o);
 #endif
     else tile_q8_0_8(K / MG_QK8_0, x, xs, ys, C, o);
 }
@@ -1523,6 +1618,9 @@ static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, c
     DEFINE_TILE_WIDTHS(name, row_tile, T, 1)                                                       \
     static const tiles name##_tiles = {8, CMAX, vec_tiles, TILE_WIDTHS(name, 8), TILE_WIDTHS(name, 1)};
 KROWS_TILES(q4_K, MG_Q4_K, 1)
+#ifdef MG_KROWS
+KROWS_TILES(q4_Kx8, MG_Q4_KX8, 1)   /* packed groups; the rows after them are plain q4_K */
+#endif
 KROWS_TILES(q8_0, MG_Q8_0, 1)
 #else
 ROW_TILES(q4_K, MG_Q4_K, CMAX)
@@ -1530,6 +1628,7 @@ ROW_TILES(q8_0, MG_Q8_0, CMAX)
 #endif
 #ifdef MG_KROWS
 KROWS_TILES(q6_K, MG_Q6_K, 0)
+KROWS_TILES(q6_Kx8, MG_Q6_KX8, 1)   /* packed groups, also by one column; the rows after them are plain q6_K */
 #else
 /* q6_K: one weight row against 6 columns on every build (AVX2: 1.13x of 4, K768 M2048 by 512,
  * 1 thread, Zen 3) */
@@ -1575,7 +1674,13 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
         case MG_Q8_0: tl = &q8_0_tiles; break;
         case MG_Q4_0: tl = &q4_0_tiles; break;
         case MG_Q4_K: tl = &q4_K_tiles; break;
+#ifdef MG_KROWS
+        case MG_Q4_KX8: tl = &q4_Kx8_tiles; break;
+#endif
         case MG_Q6_K: tl = &q6_K_tiles; break;
+#ifdef MG_KROWS
+        case MG_Q6_KX8: tl = &q6_Kx8_tiles; break;
+#endif
         case MG_F16: tl = b->type == MG_F16F ? &f16f_tiles : &f16_tiles; break;
         case MG_BF16: tl = b->type == MG_BF16F ? &bf16f_tiles : &bf16_tiles; break;
         default: return;   /* refused by the backend's type table */
@@ -1646,9 +1751,9 @@ int mg_work_type(int t, int64_t n_cols) {
 #if MG_Q4K_PAIR_SUMS
         case MG_Q4_K: return MG_Q8_KP;   /* 1.05x, K768 M2048 by 512 */
 #else
-        case MG_Q4_K: return MG_Q8_K;
+        case MG_Q4_K: case MG_Q4_KX8: return MG_Q8_K;
 #endif
-        case MG_Q6_K: return MG_Q8_K;
+        case MG_Q6_K: case MG_Q6_KX8: return MG_Q8_K;
         default: return -1;
     }
 }
@@ -1680,4 +1785,66 @@ int mg_quant_row_group(int t) {
 /* an internal step of MUL_MAT, not a registry op: the name says whose ("OP:step") */
 __attribute__((constructor)) static void mg_register_src1_to_dot_type(void) {
     mg_register_kernel("MUL_MAT:src1_to_dot_type", mg_k_src1_to_dot_type, NULL);
+}
+
+/* ---- packing rows in groups of 8 (MG_Q4_KX8, MG_Q6_KX8): piece by piece between a group's rows
+ * (the type's own layout) and its packed blocks ---- */
+int mg_packed_type(int t) {
+#ifdef MG_KROWS
+    if (t == MG_Q4_K) return MG_Q4_KX8;
+    if (t == MG_Q6_K) return MG_Q6_KX8;
+#endif
+    (void)t;
+    return -1;   /* no kernel reads packed rows of this type on this build */
+}
+
+/* MOVE(offset in the group's rows, offset in its packed bytes, bytes) for every piece of block b
+ * of row r: the layouts written out above each type's 8-row kernel */
+static void q4_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack) {
+    const int64_t row = r * row_bytes + b * (int64_t)sizeof(mg_block_q4_K), blk = b * Q4K_GROUP_BLOCK;
+#define MOVE(x, y, n) (unpack ? memcpy(rows + (x), packed + (y), n) : memcpy(packed + (y), rows + (x), n))
+    MOVE(row, blk + 16 * r, 16);
+    for (int g = 0; g < 4; g++)
+        for (int k = 0; k < 8; k++) MOVE(row + 16 + 32 * g + 4 * k, blk + Q4K_GROUP_HEADS + 256 * g + 32 * k + 4 * r, 4);
+}
+#ifdef MG_KROWS
+static void q6_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack) {
+    const int64_t row = r * row_bytes + b * (int64_t)sizeof(mg_block_q6_K), blk = b * Q6K_GROUP_BLOCK;
+    MOVE(row + offsetof(mg_block_q6_K, scales), blk + 16 * r, 16);
+    MOVE(row + offsetof(mg_block_q6_K, d), blk + Q6K_GROUP_D + 2 * r, 2);
+    for (int k = 0; k < 8; k++)
+        for (int h = 0; h < 2; h++) {
+            MOVE(row + 64 * h + 4 * k, blk + Q6K_GROUP_QL + 512 * h + 32 * k + 4 * r, 4);
+            MOVE(row + 64 * h + 32 + 4 * k, blk + Q6K_GROUP_QL + 512 * h + 256 + 32 * k + 4 * r, 4);
+            MOVE(row + offsetof(mg_block_q6_K, qh) + 32 * h + 4 * k, blk + Q6K_GROUP_QH + 256 * h + 32 * k + 4 * r, 4);
+        }
+}
+#endif
+#undef MOVE
+
+int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack) {
+    void (*pieces)(int64_t, int, int64_t, char *, char *, int);
+    int64_t block;
+    if (mg_packed_type(t) < 0) return -1;
+    if (t == MG_Q4_K) { pieces = q4_K_pieces; block = sizeof(mg_block_q4_K); }
+#ifdef MG_KROWS
+    else { pieces = q6_K_pieces; block = sizeof(mg_block_q6_K); }
+#else
+    else return -1;
+#endif
+    if (row_bytes <= 0 || row_bytes % block != 0 || nrows < 0) return -1;
+    const int64_t nb = row_bytes / block, group = 8 * row_bytes;
+    char *tmp = malloc((size_t)group);
+    if (tmp == NULL) return -1;
+    for (int64_t g0 = 0; g0 + 8 <= nrows; g0 += 8) {
+        char *grp = data + g0 * row_bytes;
+        memcpy(tmp, grp, (size_t)group);
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 8; r++) {
+                if (unpack) pieces(b, r, row_bytes, grp, tmp, 1);
+                else pieces(b, r, row_bytes, tmp, grp, 0);
+            }
+    }
+    free(tmp);
+    return 0;
 }
