@@ -1164,15 +1164,16 @@ static inline __attribute__((always_inline)) __m256i q6_K_offset_sums(const __m2
 }
 
 /* MG_Q6_KX8: q6_K rows packed in groups of 8 (mg_pack_rows, at load), as MG_Q4_KX8 (above) for
- * q4_K: block b of a group is Q6K_GROUP_BLOCK bytes at b * Q6K_GROUP_BLOCK, first the 8 rows'
- * 16 scales one after another, then their 8 d, then for each half h the vectors tile_q6_K_8
- * transposes: ql from 64h (8 x 32 bytes, lane r = row r), ql from 64h + 32, at Q6K_GROUP_QL +
- * 512 h, and qh from 32h at Q6K_GROUP_QH + 256 h. The rows after the last whole group keep q6_K's
- * layout. */
-#define Q6K_GROUP_BLOCK (8 * (int64_t)sizeof(mg_block_q6_K))
-#define Q6K_GROUP_D (8 * 16)
-#define Q6K_GROUP_QL (Q6K_GROUP_D + 8 * 2)
-#define Q6K_GROUP_QH (Q6K_GROUP_QL + 2 * 512)
+ * q4_K. A group of nb blocks holds first, for each block b, Q6K_GROUP_VALUES bytes at
+ * b * Q6K_GROUP_VALUES: per half h the vectors tile_q6_K_8 transposes, ql from 64h (8 x 32
+ * bytes, lane r = row r) at 512 h, ql from 64h + 32 at 512 h + 256, qh from 32h at 1024 + 256 h;
+ * then each block's 8 x 16 scales (row after row) at Q6K_GROUP_SC(nb, b), then each block's 8 d
+ * at Q6K_GROUP_D(nb, b). The values come first so that their vectors stay on 32-byte boundaries
+ * (a block's 8 rows are 1680 bytes, not a multiple of 32). The rows after the last whole group
+ * keep q6_K's layout. */
+#define Q6K_GROUP_VALUES (8 * 192)
+#define Q6K_GROUP_SC(nb, b) ((nb) * Q6K_GROUP_VALUES + 128 * (b))
+#define Q6K_GROUP_D(nb, b) ((nb) * (Q6K_GROUP_VALUES + 128) + 16 * (b))
 
 /* weight rows xrow + r * xs (r < 8) against C converted rows: out[r * C + c]; packed (a constant
  * in each expansion): the 8 rows are a group of MG_Q6_KX8 at xrow */
@@ -1192,13 +1193,13 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
     for (int64_t b = 0; b < nb; b++) {
         prefetch_tile_step(xrow, 8 * xs, b, nb);
         const char *ql[8], *qh[8];
-        const char *pb = xrow + b * Q6K_GROUP_BLOCK;   /* packed: the group's block b */
-        const __m128i dh = packed ? _mm_loadu_si128((const __m128i *)(pb + Q6K_GROUP_D))
+        const char *pb = xrow + b * Q6K_GROUP_VALUES;   /* packed: the group's block b's values */
+        const __m128i dh = packed ? _mm_loadu_si128((const __m128i *)(xrow + Q6K_GROUP_D(nb, b)))
                                   : load_halves_8((const char *)&xr[0][b].d, xs);
         __m512i sv[2];   /* the 8 rows' 16 scales: rows 0-3, 4-7 (loaded into lanes, not through memory) */
         if (packed) {
-            sv[0] = _mm512_loadu_si512((const void *)pb);
-            sv[1] = _mm512_loadu_si512((const void *)(pb + 64));
+            sv[0] = _mm512_loadu_si512((const void *)(xrow + Q6K_GROUP_SC(nb, b)));
+            sv[1] = _mm512_loadu_si512((const void *)(xrow + Q6K_GROUP_SC(nb, b) + 64));
         } else {
 #pragma GCC unroll 8
             for (int r = 0; r < 8; r++) {
@@ -1221,9 +1222,9 @@ static inline __attribute__((always_inline)) void tile_q6_K_8(int64_t nb, const 
         for (int h = 0; h < 2; h++) {   /* 128 values: ql[64h..64h+63], qh[32h..32h+31] */
             const __m256i *t1 = tl1, *t2 = tl2, *t3 = th;
             if (packed) {
-                t1 = (const __m256i *)(pb + Q6K_GROUP_QL + 512 * h);
-                t2 = (const __m256i *)(pb + Q6K_GROUP_QL + 512 * h + 256);
-                t3 = (const __m256i *)(pb + Q6K_GROUP_QH + 256 * h);
+                t1 = (const __m256i *)(pb + 512 * h);
+                t2 = (const __m256i *)(pb + 512 * h + 256);
+                t3 = (const __m256i *)(pb + 1024 + 256 * h);
             } else {
                 load_rows_t(ql, 64 * h, tl1);
                 load_rows_t(ql, 64 * h + 32, tl2);
@@ -1288,7 +1289,7 @@ static inline void q6_K_values(const mg_block_q6_K *x, uint8_t out[256]) {
     }
 }
 
-static void q6_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack);
+static void q6_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int unpack);
 
 /* blocks [0, nb) of the 8 rows xrow + r * xs into p[0..nb); packed: the rows are a group of
  * MG_Q6_KX8 at xrow, each row's block gathered back first (the packing is per job, paid back
@@ -1305,7 +1306,7 @@ static inline __attribute__((always_inline)) void q6_K_panel_pack_any(const char
             mg_block_q6_K xb;
             const mg_block_q6_K *x = (const mg_block_q6_K *)(xrow + (size_t)r * xs) + b;
             if (packed) {
-                q6_K_pieces(0, r, 0, (char *)&xb, (char *)(xrow + b * Q6K_GROUP_BLOCK), 1);
+                q6_K_pieces(b, nb, r, (char *)&xb, (char *)xrow, 1);
                 x = &xb;
             }
             q6_K_values(x, vals[r]);
@@ -1364,7 +1365,9 @@ static const panel_kind q6_Kx8_panels = {MG_QK_K, Q6K_PANEL_MIN_N, sizeof(q6_K_p
  * As tile_q4_K_8: lane r = weight row r, the rows' bytes transposed into lanes, one vpdpbusd
  * against 4 broadcast converted values multiplies 8 rows. vpdpbusd takes the weights unsigned:
  * x + 128 (xor 0x80), and a lane starting from the converted block's -128 * sum ends at exactly
- * sum(x * y). An output is one f32 chain over its blocks: acc + sum * (dx * dy), rounded once. */
+ * sum(x * y). An output is one f32 chain over its blocks: acc + sum * (dx * dy), rounded once.
+ * (q8_0 rows are not packed at load as q4_K's and q6_K's are: packed, a 1-thread decode was slower
+ * from memory, lfm2-350M-like Q8_0 18.3 against 19.7 ms a step, though faster in cache.) */
 static inline __attribute__((always_inline)) void tile_q8_0_8(int64_t nb, const char *xrow, size_t xs,
                                                               const void *const *ys, const int C, float *out) {
     const mg_block_q8_0 *xr[8];
@@ -1619,7 +1622,7 @@ static inline __attribute__((always_inline)) void krows_tile(int t, int64_t K, c
     static const tiles name##_tiles = {8, CMAX, vec_tiles, TILE_WIDTHS(name, 8), TILE_WIDTHS(name, 1)};
 KROWS_TILES(q4_K, MG_Q4_K, 1)
 #ifdef MG_KROWS
-KROWS_TILES(q4_Kx8, MG_Q4_KX8, 1)   /* packed groups; the rows after them are plain q4_K */
+KROWS_TILES(q4_Kx8, MG_Q4_KX8, 1)   /* packed groups; the rows after them are plain */
 #endif
 KROWS_TILES(q8_0, MG_Q8_0, 1)
 #else
@@ -1798,32 +1801,34 @@ int mg_packed_type(int t) {
     return -1;   /* no kernel reads packed rows of this type on this build */
 }
 
-/* MOVE(offset in the group's rows, offset in its packed bytes, bytes) for every piece of block b
- * of row r: the layouts written out above each type's 8-row kernel */
-static void q4_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack) {
-    const int64_t row = r * row_bytes + b * (int64_t)sizeof(mg_block_q4_K), blk = b * Q4K_GROUP_BLOCK;
-#define MOVE(x, y, n) (unpack ? memcpy(rows + (x), packed + (y), n) : memcpy(packed + (y), rows + (x), n))
-    MOVE(row, blk + 16 * r, 16);
+/* the pieces of row r's block b (blk) and their places in its group's packed bytes (grp, nb
+ * blocks a row), one MOVE(offset in blk, offset in grp, bytes) each: the layouts written out above
+ * each type's 8-row kernel */
+#define MOVE(x, y, n) (unpack ? memcpy(blk + (x), grp + (y), n) : memcpy(grp + (y), blk + (x), n))
+static void q4_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int unpack) {
+    (void)nb;
+    const int64_t at = b * Q4K_GROUP_BLOCK;
+    MOVE(0, at + 16 * r, 16);
     for (int g = 0; g < 4; g++)
-        for (int k = 0; k < 8; k++) MOVE(row + 16 + 32 * g + 4 * k, blk + Q4K_GROUP_HEADS + 256 * g + 32 * k + 4 * r, 4);
+        for (int k = 0; k < 8; k++) MOVE(16 + 32 * g + 4 * k, at + Q4K_GROUP_HEADS + 256 * g + 32 * k + 4 * r, 4);
 }
 #ifdef MG_KROWS
-static void q6_K_pieces(int64_t b, int r, int64_t row_bytes, char *rows, char *packed, int unpack) {
-    const int64_t row = r * row_bytes + b * (int64_t)sizeof(mg_block_q6_K), blk = b * Q6K_GROUP_BLOCK;
-    MOVE(row + offsetof(mg_block_q6_K, scales), blk + 16 * r, 16);
-    MOVE(row + offsetof(mg_block_q6_K, d), blk + Q6K_GROUP_D + 2 * r, 2);
+static void q6_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int unpack) {
+    const int64_t at = b * Q6K_GROUP_VALUES;
+    MOVE(offsetof(mg_block_q6_K, scales), Q6K_GROUP_SC(nb, b) + 16 * r, 16);
+    MOVE(offsetof(mg_block_q6_K, d), Q6K_GROUP_D(nb, b) + 2 * r, 2);
     for (int k = 0; k < 8; k++)
         for (int h = 0; h < 2; h++) {
-            MOVE(row + 64 * h + 4 * k, blk + Q6K_GROUP_QL + 512 * h + 32 * k + 4 * r, 4);
-            MOVE(row + 64 * h + 32 + 4 * k, blk + Q6K_GROUP_QL + 512 * h + 256 + 32 * k + 4 * r, 4);
-            MOVE(row + offsetof(mg_block_q6_K, qh) + 32 * h + 4 * k, blk + Q6K_GROUP_QH + 256 * h + 32 * k + 4 * r, 4);
+            MOVE(64 * h + 4 * k, at + 512 * h + 32 * k + 4 * r, 4);
+            MOVE(64 * h + 32 + 4 * k, at + 512 * h + 256 + 32 * k + 4 * r, 4);
+            MOVE(offsetof(mg_block_q6_K, qh) + 32 * h + 4 * k, at + 1024 + 256 * h + 32 * k + 4 * r, 4);
         }
 }
 #endif
 #undef MOVE
 
 int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack) {
-    void (*pieces)(int64_t, int, int64_t, char *, char *, int);
+    void (*pieces)(int64_t, int64_t, int, char *, char *, int);
     int64_t block;
     if (mg_packed_type(t) < 0) return -1;
     if (t == MG_Q4_K) { pieces = q4_K_pieces; block = sizeof(mg_block_q4_K); }
@@ -1841,8 +1846,9 @@ int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack
         memcpy(tmp, grp, (size_t)group);
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 8; r++) {
-                if (unpack) pieces(b, r, row_bytes, grp, tmp, 1);
-                else pieces(b, r, row_bytes, tmp, grp, 0);
+                const int64_t at = r * row_bytes + b * block;   /* row r's block b */
+                if (unpack) pieces(b, nb, r, grp + at, tmp, 1);
+                else pieces(b, nb, r, tmp + at, grp, 0);
             }
     }
     free(tmp);
