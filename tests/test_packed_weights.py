@@ -78,6 +78,8 @@ def test_packed_bytes_read_and_write_as_plain(t):
     assert not np.array_equal(inside[:16], raw[:16])          # the groups really are rearranged
     assert np.array_equal(inside[16:], raw[16:])              # rows after the last group are not
     assert np.array_equal(w.numpy(), raw)
+    rows = mg.view_2d(w, K, 5, w.nb[1], 6 * w.nb[1])                  # rows 6-10: across two groups
+    assert np.array_equal(rows.numpy(), raw[6:11])
     assert np.array_equal(be.get_bytes(buf, offs + 100, 5000), raw.reshape(-1)[100:5100])
     new = _q4k(rng, M, K, t)
     w.set(new)                                                # written plain, packed again
