@@ -159,7 +159,9 @@ def mul_mat_weights_case(t, n=1, k=4096, m=4096):
                         mg.dequantize(np.ascontiguousarray(w).view(np.uint8), t)).reshape(m, k)
         return arrs[1].reshape(n, k) @ deq["w"].T
     moved = m * t.row_size(k) + (k + m) * n * 4
-    return "MUL_MAT", f"{t.name} weights {m}x{k} by {k}x{n}", build, numpy_fn, moved
+    # as a model's load leaves them: packed where the cpu backend packs this type (MgRunner)
+    packed = " packed" if CpuBackend.packs_type(t) else ""
+    return "MUL_MAT", f"{t.name}{packed} weights {m}x{k} by {k}x{n}", build, numpy_fn, moved
 
 
 QUANT_TYPES = ("q8_0", "q4_0", "q4_k", "q6_k", "f16", "bf16")
@@ -238,6 +240,10 @@ class MgRunner:
         for t, arr in self.b.data.items():
             t.set(arr)
         self.gf = Graph().build_forward_expand(self.out)
+        for node in self.gf.nodes:   # a MUL_MAT's weights as load_gguf leaves them: packed where it packs
+            a = node.srcs.get("a") if node.op == "MUL_MAT" else None
+            if a is not None and a in self.b.data:
+                self.be.pack_weight(a)
         self.be.graph_compute(self.gf)   # builds and caches the plan
 
     def __call__(self):

@@ -277,18 +277,24 @@ class CpuBackend(HostBackend):
             raise RuntimeError(f"CPY:save_rows: backend {self.name} failed (code {err.code})")
 
     # -- packed weights ---------------------------------------------------------------------
+    @staticmethod
+    def packs_type(t) -> bool:
+        """Whether pack_weight packs weights of type t on this build (q4_K and q6_K where the 8-row
+        kernels exist). q8_0 is not packed: packed, a 1-thread decode streamed it slower."""
+        code = _TYPE_CODES.get(t)
+        return code is not None and lib is not None and lib.mg_packed_type(code) >= 0
+
     def pack_weight(self, t) -> bool:
         """Pack a q4_K or q6_K weight's rows in groups of 8, in place, where this build's kernels
         read 8 rows at once (AVX-512 VNNI + VBMI): a product then streams one group at a time
         instead of 8 rows side by side, and no block is transposed on the way. The same bits come
         out. Only a 2-D weight that owns its contiguous memory here, with at least 8 rows."""
-        code = _TYPE_CODES.get(t.type)
         buf = t.buffer
-        if (code is None or lib.mg_packed_type(code) < 0 or t.view_src is not None or buf is None
+        if (not self.packs_type(t.type) or t.view_src is not None or buf is None
                 or buf.backend is not self or t.ne[2] != 1 or t.ne[3] != 1 or t.ne[1] < 8 or not t.is_contiguous()):
             return False
         if t.offs not in buf.layouts:
-            lay = PackedRows(code, t.type.name, t.ne[1], t.row_size())
+            lay = PackedRows(_TYPE_CODES[t.type], t.type.name, t.ne[1], t.row_size())
             lay.to_packed(buf.mem[t.offs:t.offs + lay.nbytes])
             buf.layouts[t.offs] = lay
         return True
