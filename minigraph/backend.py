@@ -40,7 +40,7 @@ class Buffer:
 
 class Layout:
     """A tensor's bytes [offs, offs + nbytes) of a host buffer, kept by its backend in an
-    arrangement of its own kernels (the cpu backend: q4_K weight rows in groups of 8). The
+    arrangement of its own kernels (the cpu backend: q4_K and q6_K weight rows in groups of 8). The
     arrangement is a permutation of the same bytes: to_plain and to_packed turn a span of them
     (a NumPy uint8 array) from one form into the other, in place."""
     name = "packed"
@@ -247,14 +247,16 @@ class HostBackend(Backend):
         return out
 
     def _write_plain(self, buf: Buffer, lo: int, hi: int, write) -> None:
-        """write() into bytes [lo, hi) with every packed tensor they touch unpacked around it."""
-        over = self._layouts_over(buf, lo, hi)
-        for o, lay in over:
-            lay.to_plain(buf.mem[o:o + lay.nbytes])
+        """write() into bytes [lo, hi) with every packed tensor they touch unpacked around it (each
+        one unpacked is packed again, whatever fails)."""
+        unpacked = []
         try:
+            for o, lay in self._layouts_over(buf, lo, hi):
+                lay.to_plain(buf.mem[o:o + lay.nbytes])
+                unpacked.append((o, lay))
             write()
         finally:
-            for o, lay in over:
+            for o, lay in unpacked:
                 lay.to_packed(buf.mem[o:o + lay.nbytes])
 
     def _refuse_packed(self, t: Tensor, buf: Buffer, offs: int) -> None:

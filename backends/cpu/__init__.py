@@ -316,7 +316,7 @@ class CpuBackend(HostBackend):
             return True
         what = f"a view of {s.root().label}, which" if s.view_src is not None else s.label
         raise OpError(f"{node.op} {node.label}: source {name} is {what} holds {lay.name} ({self.name} packed it "
-                      f"for MUL_MAT at load); only MUL_MAT reads it, whole (load the model with pack_weights=False "
+                      f"for MUL_MAT); only MUL_MAT reads it, whole (load the model with pack_weights=False "
                       f"to use it otherwise)")
 
     # -- plans ------------------------------------------------------------------------------
@@ -503,9 +503,6 @@ class CpuBackend(HostBackend):
             rec = records[i]
             i += 1
             rec.op = self.op_code(self._kernel_name(node))
-            if self._layout_of(node) is not None:
-                raise OpError(f"{node.op} {node.label}: writes into {node.root().label}, which holds "
-                              f"{self._layout_of(node).name} ({self.name} packed it for MUL_MAT at load)")
             self._fill(rec.dst, node)
             roots[node.root().id] = node.root()
             rec.n_src = len(names)

@@ -23,7 +23,9 @@
  * PANEL_MIN_N columns on (q8_0 and q4_K on MG_PANELS builds, q4_K on MG_KROWS ones, and q6_K there
  * from Q6K_PANEL_MIN_N); otherwise
  * one weight row against CMAX columns, so that a weight block is loaded and unpacked once for
- * several converted rows.
+ * several converted rows. q4_K and q6_K weights may come packed in groups of 8 rows (MG_Q4_KX8,
+ * MG_Q6_KX8: mg_pack_rows at load, on the builds with 8-row kernels), which those kernels read as
+ * one stream with the values already in lanes; every output keeps its bits.
  *
  * Batch invariance: an output element is the same function of (weight row, converted row)
  * whatever the thread, the chunk, the tile or the number of src1 rows: a tile only interleaves
