@@ -22,6 +22,21 @@ def _q4k(rng, M, K, t=mg.q4_k):
     return np.asarray(mg.quantize(rng.standard_normal((M, K)).astype(np.float32), t)).reshape(M, -1)
 
 
+def _f32_leaf(be, x):
+    """x ([N, K] f32) as a tensor [K, N] in be's memory."""
+    ctx = mg.Context()
+    t = ctx.new_tensor_2d(mg.f32, x.shape[1], x.shape[0])
+    mg.alloc_ctx_tensors(ctx, be)
+    t.set(x)
+    return t
+
+
+def _graph(y):
+    g = mg.Graph()
+    g.build_forward_expand(y)
+    return g
+
+
 def _product(be, raw, x, pack, t=mg.q4_k):
     """mul_mat(w, x) on be with w (type t) holding the bytes raw, packed or not; (w, result)."""
     M, K, N = raw.shape[0], x.shape[1], x.shape[0]
@@ -34,9 +49,7 @@ def _product(be, raw, x, pack, t=mg.q4_k):
     if pack:
         assert be.pack_weight(w)
     y = mg.mul_mat(w, xt)
-    g = mg.Graph()
-    g.build_forward_expand(y)
-    be.graph_compute(g)
+    be.graph_compute(_graph(y))
     return w, y.numpy()
 
 
@@ -85,14 +98,8 @@ def test_packed_bytes_read_and_write_as_plain(t):
     w.set(new)                                                # written plain, packed again
     assert w.root().offs in buf.layouts and np.array_equal(w.numpy(), new)
     x = rng.standard_normal((3, K)).astype(np.float32)
-    xt = mg.Context()
-    xs = xt.new_tensor_2d(mg.f32, K, 3)
-    mg.alloc_ctx_tensors(xt, be)
-    xs.set(x)
-    y = mg.mul_mat(w, xs)
-    g = mg.Graph()
-    g.build_forward_expand(y)
-    be.graph_compute(g)
+    y = mg.mul_mat(w, _f32_leaf(be, x))
+    be.graph_compute(_graph(y))
     assert np.array_equal(y.numpy().view(np.uint32), _product(be, new, x, False, t)[1].view(np.uint32))
     part = np.arange(7, dtype=np.uint8)
     be.set_bytes(buf, offs + 1000, part)                      # a raw write into a group
@@ -118,10 +125,8 @@ def test_other_uses_of_packed_bytes_are_refused_in_one_line():
         "MUL_MAT": mg.mul_mat(mg.view_2d(w, K, 8, w.nb[1], 8 * w.nb[1]), x),   # a view of it
     }
     for op, node in cases.items():
-        g = mg.Graph()
-        g.build_forward_expand(node)
         with pytest.raises(mg.OpError) as e:
-            be.graph_compute(g)
+            be.graph_compute(_graph(node))
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(op) and "blk.0.ffn_up.weight" in msg and "packed" in msg, msg
     with pytest.raises(mg.OpError, match="blk.0.ffn_up.weight.*packed"):
@@ -137,16 +142,10 @@ def test_scheduler_copies_a_packed_weight_plain():
     raw = _q4k(rng, M, K)
     x = rng.standard_normal((2, K)).astype(np.float32)
     w, on_cpu = _product(cpu, raw, x, True)
-    ctx = mg.Context()
-    xt = ctx.new_tensor_2d(mg.f32, K, 2)
-    mg.alloc_ctx_tensors(ctx, ref)
-    xt.set(x)
-    y = mg.mul_mat(w, xt)
-    g = mg.Graph()
-    g.build_forward_expand(y)
+    y = mg.mul_mat(w, _f32_leaf(ref, x))
     sched = mg.Scheduler([ref, cpu])
     sched.set_tensor_backend(y, ref)
-    sched.graph_compute(g)
+    sched.graph_compute(_graph(y))
     want = _product(ref, raw, x, False)[1]
     assert np.array_equal(y.numpy(), want)
     assert np.max(np.abs(on_cpu - want)) <= 1e-4 * np.max(np.abs(want))
