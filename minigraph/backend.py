@@ -295,14 +295,15 @@ class HostBackend(Backend):
         buf, offs = t.storage()
         if buf.layouts and self._layouts_over(buf, *byte_span(t, offs)):
             self._write_plain(buf, *byte_span(t, offs), lambda: np.copyto(host_view(buf.mem, offs, t), array))
-            return
-        np.copyto(self.view(t), array)
+        else:
+            np.copyto(self.view(t), array)
 
     def read_tensor(self, t: Tensor) -> np.ndarray:
         buf, offs = t.storage()
-        if buf.layouts and self._layouts_over(buf, *byte_span(t, offs)):
+        if buf.layouts:   # (only then: a step's logits are read through here)
             lo, hi = byte_span(t, offs)
-            return host_view(self._plain_bytes(buf, lo, hi - lo), offs - lo, t).copy()
+            if self._layouts_over(buf, lo, hi):
+                return host_view(self._plain_bytes(buf, lo, hi - lo), offs - lo, t).copy()
         return self.view(t).copy()
 
     def get_bytes(self, buf: Buffer, offs: int, n: int) -> np.ndarray:

@@ -679,7 +679,7 @@ def load_gguf(path, devices=None, *, map_weights: bool | None = None, pack_weigh
             else:
                 t.set(_as_stored(rt.data, t))
     if pack_weights:
-        by_row = set(getattr(model, "weights_read_by_row", ("token_embd.weight",)))
+        by_row = set(model.weights_read_by_row)
         read_in = {id(t) for t, _, raw in copied if raw}     # in the backend's own memory, not mapped
         for name, t in want.items():
             if name not in by_row and id(t) in read_in:

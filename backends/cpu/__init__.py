@@ -306,14 +306,13 @@ class CpuBackend(HostBackend):
         buf = root.buffer
         return buf.layouts.get(root.offs) if buf is not None and buf.layouts else None
 
-    def _check_packed_use(self, node, name, s) -> bool:
-        """True when source `name` of node is a packed weight that the record reads as such (a
-        MUL_MAT's whole src0); an OpError for any other use of packed bytes."""
+    def _packed_source(self, node, name, s):
+        """The Layout of source `name` of node when it is a packed weight the record reads as such
+        (a MUL_MAT's whole src0), None for plain bytes; an OpError for any other use of packed
+        bytes."""
         lay = self._layout_of(s)
-        if lay is None:
-            return False
-        if node.op == "MUL_MAT" and name == "a" and s.view_src is None:
-            return True
+        if lay is None or (node.op == "MUL_MAT" and name == "a" and s.view_src is None):
+            return lay
         what = f"a view of {s.root().label}, which" if s.view_src is not None else s.label
         raise OpError(f"{node.op} {node.label}: source {name} is {what} holds {lay.name} ({self.name} packed it "
                       f"for MUL_MAT); only MUL_MAT reads it, whole (load the model with pack_weights=False "
@@ -510,8 +509,9 @@ class CpuBackend(HostBackend):
                 s = srcs_of(node).get(name)
                 if s is not None:
                     self._fill(rec.src[j], s)
-                    if self._check_packed_use(node, name, s):
-                        rec.src[j].type = self._layout_of(s).packed_code
+                    lay = self._packed_source(node, name, s)
+                    if lay is not None:
+                        rec.src[j].type = lay.packed_code
                     roots[s.root().id] = s.root()
             if convert:   # src1: the converted rows
                 rec.src[1] = records[i - 2].dst

@@ -1681,11 +1681,9 @@ void mg_mul_mat_blocks(const mg_tensor *a, const mg_tensor *b, const mg_tensor *
         case MG_Q4_K: tl = &q4_K_tiles; break;
 #ifdef MG_KROWS
         case MG_Q4_KX8: tl = &q4_Kx8_tiles; break;
-#endif
-        case MG_Q6_K: tl = &q6_K_tiles; break;
-#ifdef MG_KROWS
         case MG_Q6_KX8: tl = &q6_Kx8_tiles; break;
 #endif
+        case MG_Q6_K: tl = &q6_K_tiles; break;
         case MG_F16: tl = b->type == MG_F16F ? &f16f_tiles : &f16_tiles; break;
         case MG_BF16: tl = b->type == MG_BF16F ? &bf16f_tiles : &bf16_tiles; break;
         default: return;   /* refused by the backend's type table */
@@ -1806,6 +1804,7 @@ int mg_packed_type(int t) {
 /* the pieces of row r's block b (blk) and their places in its group's packed bytes (grp, nb
  * blocks a row), one MOVE(offset in blk, offset in grp, bytes) each: the layouts written out above
  * each type's 8-row kernel */
+#ifdef MG_KROWS
 #define MOVE(x, y, n) (unpack ? memcpy(blk + (x), grp + (y), n) : memcpy(grp + (y), blk + (x), n))
 static void q4_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int unpack) {
     (void)nb;
@@ -1814,7 +1813,6 @@ static void q4_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int 
     for (int g = 0; g < 4; g++)
         for (int k = 0; k < 8; k++) MOVE(16 + 32 * g + 4 * k, at + Q4K_GROUP_HEADS + 256 * g + 32 * k + 4 * r, 4);
 }
-#ifdef MG_KROWS
 static void q6_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int unpack) {
     const int64_t at = b * Q6K_GROUP_VALUES;
     MOVE(offsetof(mg_block_q6_K, scales), Q6K_GROUP_SC(nb, b) + 16 * r, 16);
@@ -1826,19 +1824,12 @@ static void q6_K_pieces(int64_t b, int64_t nb, int r, char *blk, char *grp, int 
             MOVE(offsetof(mg_block_q6_K, qh) + 32 * h + 4 * k, at + 1024 + 256 * h + 32 * k + 4 * r, 4);
         }
 }
-#endif
 #undef MOVE
 
 int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack) {
-    void (*pieces)(int64_t, int64_t, int, char *, char *, int);
-    int64_t block;
     if (mg_packed_type(t) < 0) return -1;
-    if (t == MG_Q4_K) { pieces = q4_K_pieces; block = sizeof(mg_block_q4_K); }
-#ifdef MG_KROWS
-    else { pieces = q6_K_pieces; block = sizeof(mg_block_q6_K); }
-#else
-    else return -1;
-#endif
+    void (*pieces)(int64_t, int64_t, int, char *, char *, int) = t == MG_Q4_K ? q4_K_pieces : q6_K_pieces;
+    const int64_t block = t == MG_Q4_K ? (int64_t)sizeof(mg_block_q4_K) : (int64_t)sizeof(mg_block_q6_K);
     if (row_bytes <= 0 || row_bytes % block != 0 || nrows < 0) return -1;
     const int64_t nb = row_bytes / block, group = 8 * row_bytes;
     char *tmp = malloc((size_t)group);
@@ -1856,3 +1847,9 @@ int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack
     free(tmp);
     return 0;
 }
+#else
+int mg_pack_rows(int t, char *data, int64_t nrows, int64_t row_bytes, int unpack) {
+    (void)t; (void)data; (void)nrows; (void)row_bytes; (void)unpack;
+    return -1;   /* mg_packed_type: nothing is packed on this build */
+}
+#endif

@@ -417,25 +417,73 @@ static inline void scan_update_dot2(float *restrict sp, float a0, const float *r
     *r1 = acc1;
 }
 
-/* m[i] = m[i] * (gv ? gv[i] : g); returns sum_i m[i] * k[i] */
+/* The two passes of GATED_DELTA_NET over a state row, vectorised along it, for R rows at once
+ * (row r at m + r * rs; R a constant in each expansion), over the first n values, n a multiple
+ * of 16. Each row's operations and sums are the one-row forms' (scan_scale_dot, scan_axpy_dot,
+ * below, which take R = 1), only interleaved: one row's two sums are a chain of dependent adds and
+ * a horizontal sum each, and its delta waits on the first, so a row alone keeps the core waiting on
+ * that latency (S 128: about 100 cycles a row and token); rows are independent, and SCAN_ROWS of
+ * them at once overlap it. */
+#define SCAN_ROWS 4
+#if defined(__AVX__)
+/* m[i] *= (gv ? gv[i] : g); out[r] = sum_i m[i] * k[i] */
+static inline __attribute__((always_inline)) void scan_scale_dot_rows(float *m, int64_t rs, const int R,
+                                                                      const float *restrict gv, float g,
+                                                                      const float *restrict k, int64_t n, float *out) {
+    const __m256 vg = _mm256_set1_ps(g);
+    __m256 acc0[SCAN_ROWS], acc1[SCAN_ROWS];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256 g0 = gv ? _mm256_loadu_ps(gv + i) : vg, g1 = gv ? _mm256_loadu_ps(gv + i + 8) : vg;
+        const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + i + 8);
+        for (int r = 0; r < R; r++) {
+            float *mr = m + r * rs;
+            const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(mr + i), g0);
+            const __m256 m1 = _mm256_mul_ps(_mm256_loadu_ps(mr + i + 8), g1);
+            _mm256_storeu_ps(mr + i, m0);
+            _mm256_storeu_ps(mr + i + 8, m1);
+            acc0[r] = _mm256_add_ps(acc0[r], _mm256_mul_ps(m0, k0));
+            acc1[r] = _mm256_add_ps(acc1[r], _mm256_mul_ps(m1, k1));
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = scan_hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* m[i] += d[r] * k[i]; out[r] = sum_i m[i] * q[i] */
+static inline __attribute__((always_inline)) void scan_axpy_dot_rows(float *m, int64_t rs, const int R,
+                                                                     const float *d, const float *restrict k,
+                                                                     const float *restrict q, int64_t n, float *out) {
+    __m256 acc0[SCAN_ROWS], acc1[SCAN_ROWS], vd[SCAN_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc0[r] = acc1[r] = _mm256_setzero_ps();
+        vd[r] = _mm256_set1_ps(d[r]);
+    }
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + i + 8);
+        const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+        for (int r = 0; r < R; r++) {
+            float *mr = m + r * rs;
+            const __m256 m0 = _mm256_add_ps(_mm256_loadu_ps(mr + i), _mm256_mul_ps(vd[r], k0));
+            const __m256 m1 = _mm256_add_ps(_mm256_loadu_ps(mr + i + 8), _mm256_mul_ps(vd[r], k1));
+            _mm256_storeu_ps(mr + i, m0);
+            _mm256_storeu_ps(mr + i + 8, m1);
+            acc0[r] = _mm256_add_ps(acc0[r], _mm256_mul_ps(m0, q0));
+            acc1[r] = _mm256_add_ps(acc1[r], _mm256_mul_ps(m1, q1));
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = scan_hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+#endif
+
+/* m[i] = m[i] * (gv ? gv[i] : g); returns sum_i m[i] * k[i]: the vector part, then a scalar tail */
 static inline float scan_scale_dot(float *restrict m, const float *restrict gv, float g, const float *restrict k,
                                    int64_t n) {
     int64_t i = 0;
     float acc = 0.0f;
 #if defined(__AVX__)
     if (n >= 16) {
-        const __m256 vg = _mm256_set1_ps(g);
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (; i + 16 <= n; i += 16) {
-            const __m256 g0 = gv ? _mm256_loadu_ps(gv + i) : vg, g1 = gv ? _mm256_loadu_ps(gv + i + 8) : vg;
-            const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(m + i), g0);
-            const __m256 m1 = _mm256_mul_ps(_mm256_loadu_ps(m + i + 8), g1);
-            _mm256_storeu_ps(m + i, m0);
-            _mm256_storeu_ps(m + i + 8, m1);
-            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(m0, _mm256_loadu_ps(k + i)));
-            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(m1, _mm256_loadu_ps(k + i + 8)));
-        }
-        acc = scan_hsum8(_mm256_add_ps(acc0, acc1));
+        i = n - n % 16;
+        scan_scale_dot_rows(m, 0, 1, gv, g, k, i, &acc);
     }
 #endif
     for (; i < n; i++) {
@@ -445,24 +493,15 @@ static inline float scan_scale_dot(float *restrict m, const float *restrict gv, 
     return acc;
 }
 
-/* m[i] = m[i] + d * k[i]; returns sum_i m[i] * q[i] */
+/* m[i] = m[i] + d * k[i]; returns sum_i m[i] * q[i]: the vector part, then a scalar tail */
 static inline float scan_axpy_dot(float *restrict m, float d, const float *restrict k, const float *restrict q,
                                   int64_t n) {
     int64_t i = 0;
     float acc = 0.0f;
 #if defined(__AVX__)
     if (n >= 16) {
-        const __m256 vd = _mm256_set1_ps(d);
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (; i + 16 <= n; i += 16) {
-            const __m256 m0 = _mm256_add_ps(_mm256_loadu_ps(m + i), _mm256_mul_ps(vd, _mm256_loadu_ps(k + i)));
-            const __m256 m1 = _mm256_add_ps(_mm256_loadu_ps(m + i + 8), _mm256_mul_ps(vd, _mm256_loadu_ps(k + i + 8)));
-            _mm256_storeu_ps(m + i, m0);
-            _mm256_storeu_ps(m + i + 8, m1);
-            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(m0, _mm256_loadu_ps(q + i)));
-            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(m1, _mm256_loadu_ps(q + i + 8)));
-        }
-        acc = scan_hsum8(_mm256_add_ps(acc0, acc1));
+        i = n - n % 16;
+        scan_axpy_dot_rows(m, 0, 1, &d, k, q, i, &acc);
     }
 #endif
     for (; i < n; i++) {
@@ -471,60 +510,6 @@ static inline float scan_axpy_dot(float *restrict m, float d, const float *restr
     }
     return acc;
 }
-
-/* scan_scale_dot, then scan_axpy_dot, for SCAN_ROWS rows at once (row r at m + r * n), n a
- * multiple of 16: each row's operations and sums exactly as those two functions do them, the
- * rows interleaved. One row's two sums are a chain of dependent adds and a horizontal sum each,
- * and its delta waits on the first: alone, a row keeps the core waiting on that latency (GATED_DELTA_NET,
- * S 128: about 100 cycles a row and token); rows are independent, so four at once overlap it. */
-#define SCAN_ROWS 4
-#if defined(__AVX__)
-static inline __attribute__((always_inline)) void scan_scale_dot_rows(float *restrict m, const float *restrict gv,
-                                                                      float g, const float *restrict k, int64_t n,
-                                                                      float out[SCAN_ROWS]) {
-    const __m256 vg = _mm256_set1_ps(g);
-    __m256 acc0[SCAN_ROWS], acc1[SCAN_ROWS];
-    for (int r = 0; r < SCAN_ROWS; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256 g0 = gv ? _mm256_loadu_ps(gv + i) : vg, g1 = gv ? _mm256_loadu_ps(gv + i + 8) : vg;
-        const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + i + 8);
-        for (int r = 0; r < SCAN_ROWS; r++) {
-            float *mr = m + r * n;
-            const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(mr + i), g0);
-            const __m256 m1 = _mm256_mul_ps(_mm256_loadu_ps(mr + i + 8), g1);
-            _mm256_storeu_ps(mr + i, m0);
-            _mm256_storeu_ps(mr + i + 8, m1);
-            acc0[r] = _mm256_add_ps(acc0[r], _mm256_mul_ps(m0, k0));
-            acc1[r] = _mm256_add_ps(acc1[r], _mm256_mul_ps(m1, k1));
-        }
-    }
-    for (int r = 0; r < SCAN_ROWS; r++) out[r] = scan_hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-}
-
-static inline __attribute__((always_inline)) void scan_axpy_dot_rows(float *restrict m, const float d[SCAN_ROWS],
-                                                                     const float *restrict k, const float *restrict q,
-                                                                     int64_t n, float out[SCAN_ROWS]) {
-    __m256 acc0[SCAN_ROWS], acc1[SCAN_ROWS], vd[SCAN_ROWS];
-    for (int r = 0; r < SCAN_ROWS; r++) {
-        acc0[r] = acc1[r] = _mm256_setzero_ps();
-        vd[r] = _mm256_set1_ps(d[r]);
-    }
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + i + 8);
-        const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
-        for (int r = 0; r < SCAN_ROWS; r++) {
-            float *mr = m + r * n;
-            const __m256 m0 = _mm256_add_ps(_mm256_loadu_ps(mr + i), _mm256_mul_ps(vd[r], k0));
-            const __m256 m1 = _mm256_add_ps(_mm256_loadu_ps(mr + i + 8), _mm256_mul_ps(vd[r], k1));
-            _mm256_storeu_ps(mr + i, m0);
-            _mm256_storeu_ps(mr + i + 8, m1);
-            acc0[r] = _mm256_add_ps(acc0[r], _mm256_mul_ps(m0, q0));
-            acc1[r] = _mm256_add_ps(acc1[r], _mm256_mul_ps(m1, q1));
-        }
-    }
-    for (int r = 0; r < SCAN_ROWS; r++) out[r] = scan_hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-}
-#endif
 
 /* ---------------------------------------------------------------------------------------- */
 /* SSM_SCAN (Mamba-2, A [1, n_head]; Mamba-1, A [d_state, n_head] with K == 1):
@@ -742,9 +727,9 @@ void mg_k_gated_delta_net(const mg_node *n, int ith, int nth) {
                     float *Mj = M + j * S;                                          /* [SCAN_ROWS, S] */
                     for (int u = 0; u < nb; u++) {
                         float kv[SCAN_ROWS], delta[SCAN_ROWS], dot[SCAN_ROWS];
-                        scan_scale_dot_rows(Mj, kda ? gbuf[u] : NULL, g0[u], k[u], S, kv);
+                        scan_scale_dot_rows(Mj, S, SCAN_ROWS, kda ? gbuf[u] : NULL, g0[u], k[u], S, kv);
                         for (int r = 0; r < SCAN_ROWS; r++) delta[r] = (v[u][j + r] - kv[r]) * beta[u];
-                        scan_axpy_dot_rows(Mj, delta, k[u], q[u], S, dot);
+                        scan_axpy_dot_rows(Mj, S, SCAN_ROWS, delta, k[u], q[u], S, dot);
                         for (int r = 0; r < SCAN_ROWS; r++) o[u][j + r] = scale * dot[r];
                     }
                 }
